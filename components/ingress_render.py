@@ -1,0 +1,385 @@
+"""Pure rendering of the nginx ingress that sits in front of vLLM.
+
+No Pulumi imports here: ``components/ingress.py`` (the Pulumi component) builds an
+:class:`IngressSpec` from the validated stack config, calls :func:`render_ingress`
+(or :func:`ingress_install_plan`) and uploads the files. Everything in this module
+is testable with plain pytest and the real ``nginx -t``.
+
+Rendered files (all live in ``spec.conf_dir``, ``/etc/nginx`` on a host):
+
+* ``nginx.conf``          0644  main config: workers, pid, temp paths, includes the two below
+* ``fimfleet-site.conf``  0644  http-level config: TLS server, redirect, limits, upstream, ACLs
+* ``fimfleet-keys.conf``  0600  SECRET: bearer-key map and upstream key (included by the site)
+
+The main config is self-contained (it does not include Debian's ``sites-enabled``), so
+Debian's default site cannot grab port 80. It sets no ``daemon`` directive, because
+Debian's systemd unit passes ``-g 'daemon on; master_process on;'`` and a duplicate
+would make nginx refuse to start.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+import jinja2
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "files" / "nginx"
+
+MAIN_CONF = "nginx.conf"
+SITE_CONF = "fimfleet-site.conf"
+KEYS_CONF = "fimfleet-keys.conf"
+
+#: relative file name -> (template, install mode, holds secrets)
+_FILES = {
+    MAIN_CONF: ("nginx.conf.j2", 0o644, False),
+    SITE_CONF: ("fimfleet-site.conf.j2", 0o644, False),
+    KEYS_CONF: ("fimfleet-keys.conf.j2", 0o600, True),
+}
+
+#: install mode of each rendered file
+INGRESS_FILE_MODES = {name: mode for name, (_, mode, _) in _FILES.items()}
+#: rendered files whose content is secret (wrap them in pulumi.Output.secret)
+INGRESS_SECRET_FILES = frozenset(n for n, (_, _, secret) in _FILES.items() if secret)
+
+# RFC 6750 b64token: what a bearer token may contain. Nothing here needs quoting in
+# nginx, and only "." and "+" are special in a regex.
+_KEY_RE = re.compile(r"^[A-Za-z0-9._~+/-]+=*$")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_HOST_LABEL_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+_SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
+# absolute path without whitespace, quotes, ';', '{', '}', '$', '#' or backslash
+_PATH_RE = re.compile(r"^/[A-Za-z0-9._+@%,:=/-]*$")
+
+MIN_KEY_LENGTH = 16
+MAX_KEY_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    """Everything the nginx ingress needs. Validated on construction (ValueError)."""
+
+    server_name: str
+    """DNS name (or IP) the editors use; must match the TLS certificate."""
+    tls_cert_path: str
+    """Absolute path of the PEM certificate chain on the host."""
+    tls_key_path: str
+    """Absolute path of the PEM private key on the host (keep it 0600)."""
+    upstream_port: int
+    """Port of vLLM's OpenAI-compatible server on ``upstream_host``."""
+    api_keys: Mapping[str, str] = field(repr=False)
+    """SECRET. key name -> bearer key. Names are logged and rate-limited; keys never
+    leave ``fimfleet-keys.conf``. Remove an entry (and reload) to revoke that key."""
+    https_port: int = 443
+    """TLS listener port."""
+    http_port: int = 80
+    """Plain-HTTP listener port; it only redirects to HTTPS."""
+    listen_addresses: Sequence[str] = ("0.0.0.0", "::")
+    """IP addresses to bind both listeners to (tests use ("127.0.0.1",))."""
+    upstream_host: str = "127.0.0.1"
+    """Where vLLM listens. Keep it on loopback: nginx is the only door in."""
+    upstream_api_key: Optional[str] = field(default=None, repr=False)
+    """SECRET, optional. Sent upstream as ``Authorization: Bearer ...`` if vLLM runs
+    with ``--api-key``. The client's own key is never forwarded upstream."""
+    rate_per_second: int = 10
+    """Sustained requests per second allowed for EACH key (nginx limit_req)."""
+    burst: int = 20
+    """Requests a key may make above the rate before it gets 429 (served without delay)."""
+    metrics_allow_cidrs: Sequence[str] = ("127.0.0.1/32", "::1/128")
+    """Networks allowed to read /metrics; every other source gets 403."""
+    read_timeout_s: int = 600
+    """proxy_read_timeout / proxy_send_timeout on /v1/: longest silence between two
+    chunks (covers the prefill of a long prompt on a slow tier)."""
+    connect_timeout_s: int = 5
+    """proxy_connect_timeout to vLLM."""
+    keepalive: int = 32
+    """Idle keepalive connections to vLLM kept per nginx worker."""
+    upstream_keepalive_timeout_s: int = 4
+    """How long nginx keeps an idle upstream connection. Must stay BELOW vLLM's
+    ``--timeout-keep-alive`` (uvicorn default 5 s), or a POST can race a closing
+    connection and fail with 502 (nginx does not retry non-idempotent requests)."""
+    client_max_body_size: str = "8m"
+    """Largest request body (nginx size syntax: 8m, 512k). FIM prompts carry context."""
+    worker_processes: Union[int, str] = "auto"
+    """nginx worker_processes ("auto" = one per core)."""
+    worker_connections: int = 1024
+    """nginx worker_connections."""
+    worker_user: Optional[str] = "www-data"
+    """User the workers run as when the master runs as root; None omits the directive."""
+    conf_dir: str = "/etc/nginx"
+    """Where the three rendered files are installed (include paths are absolute)."""
+    log_dir: str = "/var/log/nginx"
+    """Directory of fimfleet-access.log (JSON lines, key NAME only) and fimfleet-error.log."""
+    pid_path: str = "/run/nginx.pid"
+    """nginx pid file (Debian's systemd unit expects /run/nginx.pid)."""
+    temp_dir: str = "/var/lib/nginx"
+    """Parent of nginx's body/proxy/fastcgi/uwsgi/scgi temp directories."""
+    hsts_max_age_s: int = 63072000
+    """Strict-Transport-Security max-age (2 years); 0 disables the header."""
+    stream_buffering: bool = False
+    """Keep False. True turns proxy_buffering ON for /v1/; it exists only so the
+    integration test can prove its latency measurement detects buffering."""
+
+    def __post_init__(self) -> None:
+        # normalise containers so the frozen spec does not alias caller-owned lists
+        object.__setattr__(self, "api_keys", dict(self.api_keys))
+        object.__setattr__(self, "listen_addresses", tuple(self.listen_addresses))
+        object.__setattr__(self, "metrics_allow_cidrs", tuple(self.metrics_allow_cidrs))
+        validate_spec(self)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _fail(field_name: str, value: object, fix: str) -> None:
+    raise ValueError(f"IngressSpec.{field_name}: invalid value {value!r}; {fix}")
+
+
+def _redact(key: object) -> str:
+    """Describe a secret without printing it."""
+    if not isinstance(key, str):
+        return f"<{type(key).__name__}>"
+    return f"<secret of {len(key)} chars>"
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        _fail(name, value, f"use an integer from {lo} to {hi}")
+
+
+def _check_path(name: str, value: object) -> None:
+    if not isinstance(value, str) or not _PATH_RE.match(value) or "//" in value or "/../" in value + "/":
+        _fail(name, value, "use an absolute path made of letters, digits and ._+@%,:=/- "
+              "(no spaces, quotes, ';', '$', '..')")
+
+
+def _check_host(name: str, value: object) -> None:
+    if isinstance(value, str):
+        try:
+            ipaddress.ip_address(value)
+            return
+        except ValueError:
+            pass
+        labels = value.rstrip(".").split(".") if value else []
+        if labels and len(value) <= 253 and all(_HOST_LABEL_RE.match(x) for x in labels):
+            return
+    _fail(name, value, "use a DNS name such as 'code.example.com' or an IP address")
+
+
+def _check_bearer(name: str, value: object, what: str) -> None:
+    if not isinstance(value, str) or not value:
+        _fail(name, _redact(value), f"{what} must be a non-empty string")
+    if not MIN_KEY_LENGTH <= len(value) <= MAX_KEY_LENGTH:
+        _fail(name, _redact(value), f"{what} must be {MIN_KEY_LENGTH}-{MAX_KEY_LENGTH} "
+              "characters; generate one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+    if not _KEY_RE.match(value):
+        _fail(name, _redact(value), f"{what} may only contain letters, digits and -._~+/ "
+              "(RFC 6750 token, '=' padding at the end); no quotes, spaces or ';'")
+
+
+def validate_spec(spec: IngressSpec) -> None:
+    """Raise ValueError naming the field, the bad value and the fix."""
+    _check_host("server_name", spec.server_name)
+    _check_int("https_port", spec.https_port, 1, 65535)
+    _check_int("http_port", spec.http_port, 1, 65535)
+    if spec.https_port == spec.http_port:
+        _fail("http_port", spec.http_port, "use a port different from https_port")
+    if not spec.listen_addresses:
+        _fail("listen_addresses", spec.listen_addresses, "give at least one IP, e.g. ('0.0.0.0', '::')")
+    for addr in spec.listen_addresses:
+        try:
+            ipaddress.ip_address(addr)
+        except (ValueError, TypeError):
+            _fail("listen_addresses", addr, "use IP addresses such as '0.0.0.0', '::' or '127.0.0.1'")
+    if len(set(spec.listen_addresses)) != len(spec.listen_addresses):
+        _fail("listen_addresses", spec.listen_addresses, "list each address once")
+    _check_path("tls_cert_path", spec.tls_cert_path)
+    _check_path("tls_key_path", spec.tls_key_path)
+    _check_host("upstream_host", spec.upstream_host)
+    _check_int("upstream_port", spec.upstream_port, 1, 65535)
+
+    if not isinstance(spec.api_keys, dict) or not spec.api_keys:
+        _fail("api_keys", "<empty>", "give at least one key name -> key, e.g. {'alice': '<32+ random chars>'}")
+    seen: dict = {}
+    for key_name, key in spec.api_keys.items():
+        if not isinstance(key_name, str) or not _NAME_RE.match(key_name):
+            _fail("api_keys", key_name, "key names must be identifiers (letters, digits, '_', "
+                  "not starting with a digit, at most 64 chars)")
+        _check_bearer(f"api_keys[{key_name!r}]", key, "the key")
+        if key in seen:
+            _fail(f"api_keys[{key_name!r}]", _redact(key), f"the same key is also used by "
+                  f"{seen[key]!r}; give every name its own key so each can be revoked alone")
+        seen[key] = key_name
+    if spec.upstream_api_key is not None:
+        _check_bearer("upstream_api_key", spec.upstream_api_key, "the upstream key")
+
+    _check_int("rate_per_second", spec.rate_per_second, 1, 100000)
+    _check_int("burst", spec.burst, 0, 100000)
+    for cidr in spec.metrics_allow_cidrs:
+        try:
+            ipaddress.ip_network(cidr, strict=True)
+        except (ValueError, TypeError) as exc:
+            _fail("metrics_allow_cidrs", cidr, f"use CIDR networks such as '10.0.0.0/8' "
+                  f"or '127.0.0.1/32' ({exc})")
+    _check_int("read_timeout_s", spec.read_timeout_s, 1, 86400)
+    _check_int("connect_timeout_s", spec.connect_timeout_s, 1, 300)
+    _check_int("keepalive", spec.keepalive, 1, 4096)
+    _check_int("upstream_keepalive_timeout_s", spec.upstream_keepalive_timeout_s, 1, 3600)
+    if not isinstance(spec.client_max_body_size, str) or not _SIZE_RE.match(spec.client_max_body_size):
+        _fail("client_max_body_size", spec.client_max_body_size, "use an nginx size such as '8m' or '512k'")
+    if spec.worker_processes != "auto":
+        _check_int("worker_processes", spec.worker_processes, 1, 1024)
+    _check_int("worker_connections", spec.worker_connections, 16, 1048576)
+    if spec.worker_user is not None and (
+        not isinstance(spec.worker_user, str) or not re.match(r"^[a-z_][a-z0-9_-]{0,31}$", spec.worker_user)
+    ):
+        _fail("worker_user", spec.worker_user, "use a POSIX user name such as 'www-data', or None")
+    for name in ("conf_dir", "log_dir", "pid_path", "temp_dir"):
+        _check_path(name, getattr(spec, name))
+    _check_int("hsts_max_age_s", spec.hsts_max_age_s, 0, 10 * 365 * 86400)
+    if not isinstance(spec.stream_buffering, bool):
+        _fail("stream_buffering", spec.stream_buffering, "use False (True is a test-only negative control)")
+
+
+# ------------------------------------------------------------------------- rendering
+
+
+def _key_regex(key: str) -> str:
+    """Case-sensitive, anchored PCRE for 'Bearer <key>' (nginx string map entries are
+    matched IGNORING CASE, which would make 'sk-AbC' equal 'sk-abc')."""
+    escaped = key.replace(".", r"\.").replace("+", r"\+")
+    return r"~^(?i:bearer) +" + escaped + "$"
+
+
+def _listen(addr: str, port: int) -> str:
+    ip = ipaddress.ip_address(addr)
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+def _context(spec: IngressSpec) -> dict:
+    conf_dir = spec.conf_dir.rstrip("/") or "/"
+    https_suffix = "" if spec.https_port == 443 else f":{spec.https_port}"
+    return {
+        "spec": spec,
+        "site_conf_path": f"{conf_dir}/{SITE_CONF}",
+        "keys_conf_path": f"{conf_dir}/{KEYS_CONF}",
+        "https_listens": [_listen(a, spec.https_port) for a in spec.listen_addresses],
+        "http_listens": [_listen(a, spec.http_port) for a in spec.listen_addresses],
+        "redirect_base": f"https://{spec.server_name}{https_suffix}",
+        "metrics_cidrs": [str(ipaddress.ip_network(c)) for c in spec.metrics_allow_cidrs],
+        "upstream": _listen(spec.upstream_host, spec.upstream_port)
+        if _is_ip(spec.upstream_host) else f"{spec.upstream_host}:{spec.upstream_port}",
+        "key_entries": [(_key_regex(k), n) for n, k in sorted(spec.api_keys.items())],
+        "upstream_authorization": f"Bearer {spec.upstream_api_key}" if spec.upstream_api_key else "",
+        "json_errors": {code: _json_error_body(code) for code in _JSON_ERRORS},
+    }
+
+
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return False
+
+
+# status -> (OpenAI-style error type, code, message). Bodies are OpenAI-shaped so
+# Continue.dev / Cursor surface the message.
+_JSON_ERRORS = {
+    401: ("authentication_error", "invalid_api_key", "missing or invalid API key; send the header Authorization: Bearer <key>"),
+    403: ("permission_error", "forbidden", "forbidden from this address"),
+    404: ("invalid_request_error", "not_found", "no such endpoint; completions live under /v1/"),
+    413: ("invalid_request_error", "request_too_large", "request body too large"),
+    429: ("rate_limit_error", "rate_limit_exceeded", "rate limit exceeded for this API key; retry shortly"),
+    500: ("server_error", "internal_error", "internal proxy error"),
+    502: ("server_error", "upstream_unavailable", "the model server is not reachable"),
+    503: ("server_error", "service_unavailable", "the model server is unavailable"),
+    504: ("server_error", "upstream_timeout", "the model server did not answer in time"),
+}
+
+
+def _json_error_body(code: int) -> str:
+    etype, ecode, message = _JSON_ERRORS[code]
+    body = json.dumps({"error": {"message": message, "type": etype, "code": ecode}},
+                      separators=(",", ":"))
+    # it is pasted into a single-quoted nginx string
+    assert "'" not in body and "\\" not in body and "$" not in body, body
+    return body
+
+
+def render_ingress(spec: IngressSpec) -> dict[str, str]:
+    """Render the ingress. Returns relative file name -> content (see module doc).
+
+    ``fimfleet-keys.conf`` holds every secret; the other two files hold none.
+    """
+    validate_spec(spec)
+    env = _environment()
+    ctx = _context(spec)
+    return {name: env.get_template(template).render(**ctx) for name, (template, _, _) in _FILES.items()}
+
+
+@dataclass(frozen=True)
+class IngressFile:
+    """One rendered file with where and how to install it."""
+
+    path: str
+    """Absolute install path (conf_dir + name)."""
+    content: str = field(repr=False)
+    """File content (secret when ``secret`` is True)."""
+    mode: int
+    """Unix mode, e.g. 0o600 for the key file."""
+    secret: bool
+    """True when content holds API keys: wrap it in pulumi.Output.secret."""
+
+
+def ingress_install_plan(spec: IngressSpec) -> list[IngressFile]:
+    """The rendered files as absolute paths with modes, key file last (install the key
+    file before reloading; validate with ``nginx_test_command`` before reloading)."""
+    conf_dir = spec.conf_dir.rstrip("/") or "/"
+    rendered = render_ingress(spec)
+    return [
+        IngressFile(f"{conf_dir}/{name}", rendered[name], _FILES[name][1], _FILES[name][2])
+        for name in (MAIN_CONF, SITE_CONF, KEYS_CONF)
+    ]
+
+
+def nginx_test_command(spec: IngressSpec, nginx: str = "nginx") -> list[str]:
+    """argv that validates the installed config: ``nginx -t -c <conf_dir>/nginx.conf``."""
+    return [nginx, "-t", "-q", "-c", f"{spec.conf_dir.rstrip('/')}/{MAIN_CONF}"]
+
+
+def nginx_reload_command(spec: IngressSpec, nginx: str = "nginx") -> list[str]:
+    """argv that reloads a running nginx started from this config (``-s reload``)."""
+    return [nginx, "-c", f"{spec.conf_dir.rstrip('/')}/{MAIN_CONF}", "-s", "reload"]
+
+
+__all__ = [
+    "IngressSpec",
+    "IngressFile",
+    "render_ingress",
+    "ingress_install_plan",
+    "validate_spec",
+    "nginx_test_command",
+    "nginx_reload_command",
+    "INGRESS_FILE_MODES",
+    "INGRESS_SECRET_FILES",
+    "MAIN_CONF",
+    "SITE_CONF",
+    "KEYS_CONF",
+    "TEMPLATE_DIR",
+]

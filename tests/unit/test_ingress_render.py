@@ -1,0 +1,406 @@
+"""Unit tests for components/ingress_render.py (pure rendering, no Pulumi).
+
+Valid renders are checked by the REAL ``nginx -t`` under a temp prefix, with a
+self-signed certificate generated here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from components.ingress_render import (  # noqa: E402
+    INGRESS_FILE_MODES,
+    INGRESS_SECRET_FILES,
+    KEYS_CONF,
+    MAIN_CONF,
+    SITE_CONF,
+    IngressSpec,
+    ingress_install_plan,
+    nginx_reload_command,
+    nginx_test_command,
+    render_ingress,
+)
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+HAVE_NGINX = os.access(NGINX, os.X_OK)
+needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason=f"nginx binary not found at {NGINX}")
+
+KEYS = {
+    "alice": "sk-alice-0123456789abcdefABCDEF",
+    "bob": "bob.key+with/b64~chars_0123456789==",
+    "ci_bot": "CIBOTCIBOTCIBOTCIBOT42",
+}
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fimfleet.test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("fimfleet.test")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                          serialization.NoEncryption())
+    )
+    key_path.chmod(0o600)
+    return cert_path, key_path
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> tuple[Path, Path]:
+    return _self_signed(tmp_path_factory.mktemp("tls"))
+
+
+def make_spec(prefix: Path, tls: tuple[Path, Path], **overrides) -> IngressSpec:
+    """A spec laid out under ``prefix`` (unprivileged layout, high ports)."""
+    kwargs = dict(
+        server_name="fimfleet.test",
+        tls_cert_path=str(tls[0]),
+        tls_key_path=str(tls[1]),
+        upstream_port=8000,
+        api_keys=dict(KEYS),
+        https_port=18443,
+        http_port=18080,
+        listen_addresses=("127.0.0.1",),
+        conf_dir=str(prefix),
+        log_dir=str(prefix / "logs"),
+        pid_path=str(prefix / "nginx.pid"),
+        temp_dir=str(prefix / "tmp"),
+        worker_user="root" if os.geteuid() == 0 else None,
+    )
+    kwargs.update(overrides)
+    return IngressSpec(**kwargs)
+
+
+def write_render(spec: IngressSpec) -> dict[str, str]:
+    prefix = Path(spec.conf_dir)
+    (prefix / "logs").mkdir(parents=True, exist_ok=True)
+    (prefix / "tmp").mkdir(parents=True, exist_ok=True)
+    files = render_ingress(spec)
+    for name, content in files.items():
+        path = prefix / name
+        path.write_text(content)
+        path.chmod(INGRESS_FILE_MODES[name])
+    return files
+
+
+def nginx_t(prefix: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [NGINX, "-t", "-p", str(prefix), "-c", str(prefix / MAIN_CONF)],
+        capture_output=True, text=True, timeout=30,
+    )
+
+
+def location_block(site: str, header: str) -> str:
+    """Text of the location block that starts with ``header`` (no nested blocks used
+    except the one-line ``if``)."""
+    start = site.index(header)
+    depth, i = 0, site.index("{", start)
+    while True:
+        if site[i] == "{":
+            depth += 1
+        elif site[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return site[start:i + 1]
+        i += 1
+
+
+# ----------------------------------------------------------------- real nginx -t
+
+VALID_VARIANTS = {
+    "minimal_one_key": dict(api_keys={"solo": "solo-key-0123456789abcdef"}),
+    "three_keys": {},
+    "ipv4_and_ipv6_listen": dict(listen_addresses=("127.0.0.1", "::1"),
+                                 metrics_allow_cidrs=("10.0.0.0/8", "fd00::/8", "127.0.0.1/32")),
+    "metrics_closed_to_all": dict(metrics_allow_cidrs=()),
+    "upstream_key_and_tuning": dict(upstream_api_key="upstream-key-0123456789", rate_per_second=1,
+                                    burst=0, keepalive=4, read_timeout_s=3600,
+                                    client_max_body_size="512k", worker_processes=2,
+                                    hsts_max_age_s=0),
+    "many_keys": dict(api_keys={f"user_{i}": f"key-{i:03d}-0123456789abcdef" for i in range(50)}),
+    "standard_ports_hostname_upstream": dict(https_port=443, http_port=80, upstream_host="localhost",
+                                             listen_addresses=("0.0.0.0", "::")),
+    "negative_control_buffering_on": dict(stream_buffering=True),
+}
+
+
+@needs_nginx
+@pytest.mark.parametrize("variant", sorted(VALID_VARIANTS))
+def test_real_nginx_accepts_rendered_config(variant, tmp_path, tls):
+    spec = make_spec(tmp_path / "prefix", tls, **VALID_VARIANTS[variant])
+    write_render(spec)
+    result = nginx_t(tmp_path / "prefix")
+    assert result.returncode == 0, result.stderr
+    assert "test is successful" in result.stderr
+    # nginx -t ran against our files, not /etc/nginx
+    assert str(tmp_path / "prefix" / MAIN_CONF) in result.stderr
+
+
+@needs_nginx
+def test_real_nginx_t_can_fail(tmp_path, tls):
+    """Negative control for the harness: a missing certificate must fail nginx -t."""
+    spec = make_spec(tmp_path / "prefix", tls, tls_cert_path=str(tmp_path / "missing.pem"))
+    write_render(spec)
+    result = nginx_t(tmp_path / "prefix")
+    assert result.returncode != 0
+    assert "missing.pem" in result.stderr
+
+
+@needs_nginx
+def test_real_nginx_rejects_a_corrupted_keys_file(tmp_path, tls):
+    spec = make_spec(tmp_path / "prefix", tls)
+    write_render(spec)
+    keys = tmp_path / "prefix" / KEYS_CONF
+    keys.write_text(keys.read_text().replace("default \"\";", "default \"\"", 1))
+    assert nginx_t(tmp_path / "prefix").returncode != 0
+
+
+# --------------------------------------------------------------- content checks
+
+
+def test_renders_three_files_with_modes_and_secret_flags(tmp_path, tls):
+    spec = make_spec(tmp_path, tls)
+    files = render_ingress(spec)
+    assert set(files) == {MAIN_CONF, SITE_CONF, KEYS_CONF}
+    assert INGRESS_FILE_MODES == {MAIN_CONF: 0o644, SITE_CONF: 0o644, KEYS_CONF: 0o600}
+    assert INGRESS_SECRET_FILES == {KEYS_CONF}
+    plan = ingress_install_plan(spec)
+    assert [(f.path, f.mode, f.secret) for f in plan] == [
+        (f"{tmp_path}/{MAIN_CONF}", 0o644, False),
+        (f"{tmp_path}/{SITE_CONF}", 0o644, False),
+        (f"{tmp_path}/{KEYS_CONF}", 0o600, True),
+    ]
+    assert all(f.content == files[Path(f.path).name] for f in plan)
+    assert nginx_test_command(spec)[-1] == f"{tmp_path}/{MAIN_CONF}"
+    assert nginx_reload_command(spec)[-2:] == ["-s", "reload"]
+
+
+def test_defaults_target_a_debian_host(tls):
+    spec = IngressSpec(server_name="code.example.com", tls_cert_path="/etc/ssl/fimfleet/cert.pem",
+                       tls_key_path="/etc/ssl/fimfleet/key.pem", upstream_port=8000,
+                       api_keys={"alice": KEYS["alice"]})
+    files = render_ingress(spec)
+    main, site = files[MAIN_CONF], files[SITE_CONF]
+    assert "include /etc/nginx/fimfleet-keys.conf;" in main
+    assert "include /etc/nginx/fimfleet-site.conf;" in main
+    assert "pid /run/nginx.pid;" in main
+    assert "user www-data;" in main
+    assert not re.search(r"^\s*daemon\b", main, re.M)  # systemd / tests pass it with -g
+    assert "listen 0.0.0.0:443 ssl;" in site and "listen [::]:443 ssl;" in site
+    assert "listen 0.0.0.0:80;" in site and "listen [::]:80;" in site
+    assert "return 301 https://code.example.com$request_uri;" in site
+    assert "access_log /var/log/nginx/fimfleet-access.log fimfleet_json;" in site
+    assert "server 127.0.0.1:8000;" in site
+
+
+def test_secrets_only_in_keys_file(tmp_path, tls):
+    upstream_key = "upstream-secret-0123456789"
+    spec = make_spec(tmp_path, tls, upstream_api_key=upstream_key)
+    files = render_ingress(spec)
+    for secret in [*KEYS.values(), upstream_key]:
+        assert secret not in files[SITE_CONF]
+        assert secret not in files[MAIN_CONF]
+        assert secret not in repr(spec)
+    # the key file carries every key (regex-escaped) and the names
+    keys = files[KEYS_CONF]
+    for name, key in KEYS.items():
+        escaped = key.replace(".", "\\.").replace("+", "\\+")
+        assert f'"~^(?i:bearer) +{escaped}$" {name};' in keys, name
+    assert f'default "Bearer {upstream_key}";' in keys
+
+
+def test_key_regexes_are_exact_and_case_sensitive(tmp_path, tls):
+    keys = render_ingress(make_spec(tmp_path, tls))[KEYS_CONF]
+    entries = dict((n, r) for r, n in re.findall(r'^\s*"~(.+)" (\w+);$', keys, re.M))
+    assert set(entries) == set(KEYS)
+    for name, key in KEYS.items():
+        rx = re.compile(entries[name])  # the PCRE used is also valid Python re
+        assert rx.match(f"Bearer {key}")
+        assert rx.match(f"bearer {key}")  # the auth scheme is case-insensitive (RFC 7235)
+        assert not rx.match(f"Bearer {key.swapcase()}")  # the key itself is not
+        assert not rx.match(f"Bearer {key}x") and not rx.match(f"Bearer x{key}")
+        assert not rx.match(key)
+        # a '.' or '+' in a key is literal, not a regex wildcard / quantifier
+        if "." in key or "+" in key:
+            assert not rx.match(f"Bearer {key.replace('.', 'X').replace('+', 'Y')}")
+    assert 'default "";' in keys
+
+
+def test_no_upstream_key_means_authorization_is_cleared(tmp_path, tls):
+    files = render_ingress(make_spec(tmp_path, tls))
+    assert 'default "";' in files[KEYS_CONF].split("$fimfleet_upstream_authorization", 1)[1]
+    assert "proxy_set_header Authorization $fimfleet_upstream_authorization;" in files[SITE_CONF]
+
+
+def test_logging_uses_key_name_never_the_header(tmp_path, tls):
+    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    fmt = site[site.index("log_format fimfleet_json"):site.index("access_log")]
+    assert "$fimfleet_key_name" in fmt
+    assert "$http_authorization" not in site  # only the key file maps it
+    assert f"access_log {tmp_path}/logs/fimfleet-access.log fimfleet_json;" in site
+
+
+def test_streaming_location(tmp_path, tls):
+    site = render_ingress(make_spec(tmp_path, tls, read_timeout_s=900, burst=7, rate_per_second=3))[SITE_CONF]
+    v1 = location_block(site, "location /v1/ {")
+    for line in ("proxy_buffering off;", "proxy_cache off;", 'add_header X-Accel-Buffering "no" always;',
+                 "tcp_nodelay on;", "gzip off;", "proxy_read_timeout 900s;", "proxy_send_timeout 900s;",
+                 "limit_req zone=fimfleet_per_key burst=7 nodelay;", "proxy_pass http://fimfleet_vllm;",
+                 "return 401;", "Strict-Transport-Security"):
+        assert line in v1, line
+    assert "limit_req_zone $fimfleet_key_name zone=fimfleet_per_key:10m rate=3r/s;" in site
+    assert "limit_req_status 429;" in site
+    assert "proxy_http_version 1.1;" in site and 'proxy_set_header Connection "";' in site
+    assert re.search(r"upstream fimfleet_vllm \{[^}]*keepalive 32;", site)
+    zero = render_ingress(make_spec(tmp_path, tls, burst=0))[SITE_CONF]
+    assert "limit_req zone=fimfleet_per_key nodelay;" in zero  # nginx rejects burst=0
+    # the negative control flips exactly the buffering
+    buffered = render_ingress(make_spec(tmp_path, tls, stream_buffering=True))[SITE_CONF]
+    v1b = location_block(buffered, "location /v1/ {")
+    assert "proxy_buffering on;" in v1b and "proxy_buffering off;" not in v1b
+
+
+def test_tls_and_security_headers(tmp_path, tls):
+    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    assert "ssl_protocols TLSv1.2 TLSv1.3;" in site
+    assert "ssl_session_cache shared:fimfleet_tls:10m;" in site
+    assert "return 301 https://fimfleet.test:18443$request_uri;" in site
+    # add_header is not inherited by a location that has its own: check every location
+    for header in re.findall(r"^\s*(location [^{]+\{)", site, re.M):
+        block = location_block(site, header)
+        if "return 301" in block or "return 404;" in block:
+            continue
+        for h in ("Strict-Transport-Security", "X-Content-Type-Options", "X-Frame-Options",
+                  "Referrer-Policy", "Content-Security-Policy"):
+            assert h in block, (header, h)
+    no_hsts = render_ingress(make_spec(tmp_path, tls, hsts_max_age_s=0))[SITE_CONF]
+    assert "Strict-Transport-Security" not in no_hsts
+
+
+def test_acls_for_health_and_metrics(tmp_path, tls):
+    site = render_ingress(make_spec(tmp_path, tls, metrics_allow_cidrs=("10.0.0.0/8", "fd00::/8")))[SITE_CONF]
+    health = location_block(site, "location = /health {")
+    assert re.search(r"allow 127\.0\.0\.1;\s*allow ::1;\s*deny all;", health)
+    assert "proxy_pass http://fimfleet_vllm/health;" in health
+    metrics = location_block(site, "location = /metrics {")
+    assert re.search(r"allow 10\.0\.0\.0/8;\s*allow fd00::/8;\s*deny all;", metrics)
+    assert "127.0.0.1" not in metrics
+    closed = render_ingress(make_spec(tmp_path, tls, metrics_allow_cidrs=()))[SITE_CONF]
+    assert "allow" not in location_block(closed, "location = /metrics {")
+
+
+def test_json_error_pages(tmp_path, tls):
+    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    for code in (401, 403, 404, 413, 429, 502, 504):
+        assert f"error_page {code} @fimfleet_{code};" in site
+        block = location_block(site, f"location @fimfleet_{code} {{")
+        assert "default_type application/json;" in block
+        body = re.search(rf"return {code} '(.*)\\n';", block).group(1)
+        assert json.loads(body)["error"]["code"]
+    assert 'WWW-Authenticate \'Bearer realm="fimfleet"\'' in location_block(site, "location @fimfleet_401 {")
+    assert "Retry-After" in location_block(site, "location @fimfleet_429 {")
+
+
+def test_spec_is_frozen_and_copies_inputs(tmp_path, tls):
+    keys = dict(KEYS)
+    cidrs = ["10.0.0.0/8"]
+    spec = make_spec(tmp_path, tls, api_keys=keys, metrics_allow_cidrs=cidrs)
+    keys["eve"] = "eve-key-0123456789abcdef"
+    cidrs.append("0.0.0.0/0")
+    assert "eve" not in spec.api_keys and spec.metrics_allow_cidrs == ("10.0.0.0/8",)
+    with pytest.raises(Exception):
+        spec.burst = 1  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------- validation
+
+INVALID = [
+    ("server_name", dict(server_name="bad host;")),
+    ("server_name", dict(server_name="")),
+    ("https_port", dict(https_port=0)),
+    ("https_port", dict(https_port=70000)),
+    ("http_port", dict(http_port="80")),
+    ("http_port", dict(http_port=18443)),  # same as https_port
+    ("upstream_port", dict(upstream_port=-1)),
+    ("upstream_host", dict(upstream_host="vllm host")),
+    ("listen_addresses", dict(listen_addresses=("localhost",))),
+    ("listen_addresses", dict(listen_addresses=())),
+    ("tls_cert_path", dict(tls_cert_path="relative/cert.pem")),
+    ("tls_key_path", dict(tls_key_path="/etc/ssl/key.pem; include /etc/shadow")),
+    ("api_keys", dict(api_keys={})),
+    ("api_keys", dict(api_keys={"bad-name": "k" * 20})),
+    ("api_keys", dict(api_keys={"1st": "k" * 20})),
+    ("api_keys", dict(api_keys={"": "k" * 20})),
+    ("api_keys['alice']", dict(api_keys={"alice": ""})),
+    ("api_keys['alice']", dict(api_keys={"alice": "short"})),
+    ("api_keys['alice']", dict(api_keys={"alice": 'has"quote-0123456789'})),
+    ("api_keys['alice']", dict(api_keys={"alice": "has space 0123456789"})),
+    ("api_keys['alice']", dict(api_keys={"alice": "semi;colon0123456789"})),
+    ("api_keys['alice']", dict(api_keys={"alice": "dollar$0123456789abc"})),
+    ("api_keys['bob']", dict(api_keys={"alice": "same-key-0123456789", "bob": "same-key-0123456789"})),
+    ("upstream_api_key", dict(upstream_api_key="it's-a-key-0123456789")),
+    ("rate_per_second", dict(rate_per_second=0)),
+    ("rate_per_second", dict(rate_per_second=2.5)),
+    ("burst", dict(burst=-1)),
+    ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("10.0.0.1/8",))),
+    ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("not-a-cidr",))),
+    ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("10.0.0.0/33",))),
+    ("read_timeout_s", dict(read_timeout_s=0)),
+    ("keepalive", dict(keepalive=0)),
+    ("client_max_body_size", dict(client_max_body_size="8 MB")),
+    ("worker_processes", dict(worker_processes="many")),
+    ("worker_user", dict(worker_user="www data")),
+    ("log_dir", dict(log_dir="/var/log/nginx dir")),
+    ("conf_dir", dict(conf_dir="/etc/../etc/nginx")),
+    ("stream_buffering", dict(stream_buffering="yes")),
+]
+
+
+@pytest.mark.parametrize("field,overrides", INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID)])
+def test_invalid_spec_raises_value_error_naming_the_field(field, overrides, tmp_path, tls):
+    with pytest.raises(ValueError) as excinfo:
+        make_spec(tmp_path, tls, **overrides)
+    message = str(excinfo.value)
+    assert message.startswith(f"IngressSpec.{field}:"), message
+    assert "invalid value" in message and ";" in message  # value + fix
+    # secrets are described, never echoed
+    for key in list(overrides.get("api_keys", {}).values()) + [overrides.get("upstream_api_key")]:
+        if isinstance(key, str) and len(key) >= 8:
+            assert key not in message
+
+
+def test_error_message_names_value_and_fix(tmp_path, tls):
+    with pytest.raises(ValueError, match=r"IngressSpec\.metrics_allow_cidrs: invalid value '10\.0\.0\.1/8'.*10\.0\.0\.0/8"):
+        make_spec(tmp_path, tls, metrics_allow_cidrs=("10.0.0.1/8",))
+    with pytest.raises(ValueError, match=r"IngressSpec\.https_port: invalid value 0; use an integer from 1 to 65535"):
+        make_spec(tmp_path, tls, https_port=0)
