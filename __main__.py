@@ -1,0 +1,28 @@
+"""fimfleet: reads the stack config, builds the fleet, exports what editors and operators need."""
+
+import pulumi
+
+from components import config
+from components.fleet import Fleet
+
+try:
+    cfg = config.from_pulumi()
+except config.ConfigError as err:
+    # One readable list of every problem, before any resource (or host) is touched.
+    pulumi.log.error(str(err))
+    raise SystemExit(32) from None
+
+fleet = Fleet("fleet", {"node": cfg})
+node = fleet.nodes["node"]
+pulumi.export("endpoint", node.endpoint)
+pulumi.export("model", node.model)
+pulumi.export("tier", cfg.tier.name)
+pulumi.export("caPem", node.ingress.ca_pem)
+pulumi.export("memoryPlan", cfg.memory.explain() if cfg.memory else "")
+pulumi.export("continueConfigYaml", node.continue_yaml)
+pulumi.export("continueConfigJson", node.continue_json)
+pulumi.export("cursorSettings", node.cursor_settings)
+pulumi.export("curlSmokeTest", node.curl)
+if node.sla is not None:
+    pulumi.export("slaReport", node.sla.summary)
+    pulumi.export("slaPassed", node.sla.passed)

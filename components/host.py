@@ -1,0 +1,78 @@
+"""Host: how fimfleet reaches a node, what it checks first, and the packages it installs.
+
+Kinds: an existing VPS over SSH (the runbook's case) and the local test VM built by
+toolchain/testbed. A provisioned cloud instance fits the same interface: it only has
+to produce `connection` (address, port, user, private key as a secret).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pulumi
+
+from components import templates
+from components.config import StackConfig
+from components.remote import RemoteStep
+
+STEAL_SAMPLE_SECONDS = 3
+
+
+def packages(cfg: StackConfig) -> list[str]:
+    """Debian packages the node needs for its runtime kind."""
+    base = ["nginx", "openssl", "curl", "ca-certificates", "numactl", "libnuma1", "jq"]
+    allocator = {"jemalloc": ["libjemalloc2"], "tcmalloc": ["libtcmalloc-minimal4"], "none": []}[cfg.runtime.allocator]
+    runtime = ["docker.io", "apparmor"] if cfg.runtime.kind == "docker" else ["python3-venv", "python3-pip"]
+    return base + allocator + runtime
+
+
+def preflight_script(cfg: StackConfig) -> str:
+    h = cfg.host
+    needed_gib = int(cfg.memory.total / 1024**3) + 1 if cfg.memory and cfg.tier.device == "cpu" else 1
+    return templates.render(
+        "host/preflight.sh.j2", tier=cfg.tier.name, cpu_flags=h.cpu_flags or [], min_memory_gib=needed_gib,
+        memory_gib=h.memory_gib, cpus=h.cpus, numa_nodes=h.numa_nodes, steal_seconds=STEAL_SAMPLE_SECONDS,
+        max_steal=h.max_steal_percent, gpu_count=h.gpu_count or 0, gpu_model=h.gpu_model or "",
+        gpu_memory_gib=h.gpu_memory_gib or 0, gpu_memory_mib=int((h.gpu_memory_gib or 0) * 1024 * 0.95),
+    )
+
+
+def testbed_connection(state_dir: str) -> dict:
+    """Read the test VM's connection facts written by toolchain/testbed (vm.json)."""
+    info = json.loads((Path(state_dir) / "vm.json").read_text())
+    key = Path(info["ssh_key"]).read_text()
+    return {"host": info["ssh_host"], "port": int(info["ssh_port"]), "user": info.get("ssh_user", "root"),
+            "privateKey": key}
+
+
+def connection_for(cfg: StackConfig) -> pulumi.Output[dict]:
+    """The SSH connection as one secret Output: it carries the private key."""
+    h = cfg.host
+    if h.kind == "local-vm":
+        conn = testbed_connection(h.testbed_state)
+    else:
+        conn = {"host": h.address, "port": h.port, "user": h.user, "privateKey": cfg.secrets.ssh_private_key}
+    if h.bastion:
+        conn.update(bastionHost=h.bastion["address"], bastionPort=int(h.bastion.get("port", 22)),
+                    bastionUser=h.bastion.get("user", h.user))
+    return pulumi.Output.secret(conn)
+
+
+class Host(pulumi.ComponentResource):
+    """Connection, preflight (read-only, first), then packages."""
+
+    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("fimfleet:host:Host", name, None, opts)
+        self.connection = connection_for(cfg)
+        self.address = cfg.host.address if cfg.host.kind == "ssh" else self.connection.apply(lambda c: c["host"])
+        child = pulumi.ResourceOptions(parent=self)
+        self.preflight = RemoteStep(f"{name}-preflight", label="host preflight", connection=self.connection,
+                                    apply=preflight_script(cfg), timeout_s=120, opts=child)
+        pkgs = packages(cfg)
+        self.packages = RemoteStep(
+            f"{name}-packages", label="packages", connection=self.connection,
+            apply=templates.render("host/packages.sh.j2", packages=pkgs),
+            destroy=templates.render("host/packages-destroy.sh.j2"), triggers=pkgs, timeout_s=1800,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.preflight]))
+        self.register_outputs({"address": self.address})

@@ -1,0 +1,118 @@
+"""NginxIngress: TLS, named bearer keys, per-key rate limits and unbuffered SSE in front of vLLM.
+
+The nginx config itself is rendered by components/ingress_render.py (pure, tested with
+the real nginx). This component chooses the certificate source, stages the files on
+the host and installs them only when `nginx -t` accepts them (files/ingress/).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pulumi
+
+from components import templates
+from components.config import StackConfig
+from components.ingress_render import IngressSpec, ingress_install_plan
+from components.remote import RemoteStep
+from components.tls import SelfSignedCertificate
+
+STAGED_DIR = "/etc/fimfleet/nginx-staged"
+TLS_DIR = "/etc/fimfleet/tls"
+
+
+def public_name(cfg: StackConfig, address: str) -> str:
+    return cfg.ingress.domain or address
+
+
+def endpoint_url(host: str, port: int) -> str:
+    return f"https://{host}" if port == 443 else f"https://{host}:{port}"
+
+
+def spec_for(cfg: StackConfig, server_name: str, cert_path: str, key_path: str) -> IngressSpec:
+    i = cfg.ingress
+    return IngressSpec(
+        server_name=server_name, tls_cert_path=cert_path, tls_key_path=key_path, upstream_port=cfg.engine.port,
+        api_keys=dict(cfg.secrets.api_keys), https_port=i.https_port, http_port=i.http_port,
+        rate_per_second=i.rate_per_second, burst=i.burst,
+        metrics_allow_cidrs=tuple(i.metrics_allow_cidrs or ("127.0.0.1/32", "::1/128")),
+        read_timeout_s=i.read_timeout_s,
+    )
+
+
+def render_files(cfg: StackConfig, server_name: str, cert_pem: str, key_pem: str) -> tuple[list[dict], list[dict]]:
+    """Files to stage (uploaded) and where apply installs them."""
+    if cfg.ingress.tls == "acme":
+        cert_path = f"/etc/letsencrypt/live/{cfg.ingress.domain}/fullchain.pem"
+        key_path = f"/etc/letsencrypt/live/{cfg.ingress.domain}/privkey.pem"
+    else:
+        cert_path, key_path = f"{TLS_DIR}/server.pem", f"{TLS_DIR}/server.key"
+    spec = spec_for(cfg, server_name, cert_path, key_path)
+    staged, installs = [], []
+    for f in ingress_install_plan(spec):
+        name = f.path.rsplit("/", 1)[-1]
+        staged.append({"path": f"{STAGED_DIR}/{name}", "mode": f"{f.mode:04o}", "content": f.content})
+        installs.append({"name": name, "dest": f.path, "mode": f"{f.mode:04o}"})
+    if cfg.ingress.tls != "acme":
+        for name, dest, mode, content in (("server.pem", cert_path, "0644", cert_pem), ("server.key", key_path, "0600", key_pem)):
+            staged.append({"path": f"{STAGED_DIR}/{name}", "mode": mode, "content": content})
+            installs.append({"name": name, "dest": dest, "mode": mode})
+    return staged, installs
+
+
+class NginxIngress(pulumi.ComponentResource):
+    """See module docstring. Outputs: endpoint, probe_endpoint, ca_pem, digest."""
+
+    def __init__(self, name: str, cfg: StackConfig, node: str, connection: pulumi.Input[dict],
+                 opts: pulumi.ResourceOptions | None = None):
+        super().__init__("fimfleet:ingress:NginxIngress", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        i = cfg.ingress
+        conn = pulumi.Output.from_input(connection)
+        if cfg.host.kind == "local-vm":
+            from components.host import testbed_forwards
+
+            fwd = testbed_forwards(cfg.host.testbed_state)
+            host_name, port = "127.0.0.1", fwd[i.https_port]
+            self.endpoint = pulumi.Output.from_input(endpoint_url(host_name, port))
+        else:
+            host_name = public_name(cfg, cfg.host.address)
+            self.endpoint = pulumi.Output.from_input(endpoint_url(host_name, i.https_port))
+        self.probe_endpoint = self.endpoint
+
+        if i.tls == "self-signed":
+            ips = [a for a in {cfg.host.address, "127.0.0.1"} if a and _is_ip(a)]
+            dns = sorted({n for n in (i.domain, cfg.host.address, "localhost") if n and not _is_ip(n)})
+            cert = SelfSignedCertificate(f"{name}-cert", common_name=i.domain or cfg.host.address or "localhost",
+                                         dns_names=dns, ip_addresses=sorted(ips), opts=child)
+            cert_pem, key_pem, self.ca_pem = cert.certPem, cert.keyPem, cert.caPem
+        elif i.tls == "provided":
+            cert_pem = pulumi.Output.secret(cfg.secrets.tls_cert)
+            key_pem = pulumi.Output.secret(cfg.secrets.tls_key)
+            self.ca_pem = pulumi.Output.from_input(cfg.secrets.tls_cert)
+        else:
+            cert_pem = key_pem = pulumi.Output.from_input("")
+            self.ca_pem = pulumi.Output.from_input("")
+
+        server_name = i.domain or (cfg.host.address if cfg.host.kind == "ssh" else "localhost")
+        rendered = pulumi.Output.all(cert_pem, key_pem).apply(lambda a: render_files(cfg, server_name, a[0], a[1]))
+        staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))
+        # Install paths and modes do not depend on secrets: render them once without the PEMs.
+        installs = render_files(cfg, server_name, "", "")[1]
+        kw = dict(conf_dir="/etc/nginx", staged_dir=STAGED_DIR, tls_dir=TLS_DIR, files=installs,
+                  https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
+                  tls_cert=installs[0]["dest"])
+        check = templates.render("ingress/check.sh.j2", **kw)
+        self.digest = templates.digest(render_files(cfg, server_name, "<cert>", "<key>")[0], i.tls)
+        self.step = RemoteStep(f"{name}-nginx", label="nginx ingress", connection=conn, files=staged,
+                               apply=templates.render("ingress/apply.sh.j2", check=check, **kw), check=check,
+                               destroy=templates.render("ingress/destroy.sh.j2", **kw), opts=child)
+        self.register_outputs({"endpoint": self.endpoint, "caPem": self.ca_pem})
+
+
+def _is_ip(s: str) -> bool:
+    try:
+        ipaddress.ip_address(s)
+        return True
+    except ValueError:
+        return False

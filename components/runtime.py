@@ -1,0 +1,146 @@
+"""The vLLM runtime: a systemd service from a virtualenv, or a container run by systemd.
+
+Both forms end as one unit, `vllm-<node>.service`, so the monitor restarts either the
+same way. The engine listens on loopback only; nginx is its only client from outside.
+Startup waits for a real one-token completion, not `/health`, within the tier's
+start timeout.
+
+The docker form drives the docker CLI through that unit instead of pulumi-docker:
+the docker provider plugin cannot be built offline here (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pulumi
+
+from components import engine, templates
+from components.config import StackConfig
+from components.remote import RemoteStep, dir_digest
+
+STATE_DIR = "/var/lib/fimfleet/engine"
+CACHE_DIR = "/var/cache/fimfleet/hf"
+SERVICE_USER = "fimfleet-vllm"
+LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "requirements-cpu.lock"
+REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
+PRELOAD = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+           "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "none": ""}
+OOM_SCORE_ADJUST = -500
+
+
+def unit_name(node: str) -> str:
+    return f"vllm-{node}.service"
+
+
+def model_path(cfg: StackConfig) -> str:
+    """Where the engine reads the model: an uploaded directory, or the Hugging Face id (downloaded at start)."""
+    if cfg.model.source == "local":
+        return f"{STATE_DIR}/models/{Path(cfg.model.local_path).name}"
+    return cfg.model.id
+
+
+def default_image(cfg: StackConfig) -> str:
+    v = cfg.runtime.vllm_version
+    return f"vllm/vllm-openai-cpu:v{v}-x86_64" if cfg.tier.device == "cpu" else f"vllm/vllm-openai:v{v}"
+
+
+def cpu_affinity(cfg: StackConfig) -> str:
+    """Leave the reserved CPUs (the first ones) to nginx, sshd and the OS."""
+    if cfg.tier.device != "cpu" or not cfg.host.cpus or cfg.engine.reserved_cpus <= 0:
+        return ""
+    return f"{cfg.engine.reserved_cpus}-{cfg.host.cpus - 1}"
+
+
+def memory_max_mib(cfg: StackConfig) -> int:
+    if cfg.tier.device == "cpu" and cfg.memory:
+        return int((cfg.memory.total + 1024**3) / 1024**2)
+    return int(cfg.host.memory_gib * 1024 * 0.9)
+
+
+@dataclass(frozen=True)
+class RenderedRuntime:
+    unit: str
+    unit_file: str
+    env_file: str
+    cgroup_dropin: str
+    launch: engine.EngineLaunch
+
+
+def render(cfg: StackConfig, node: str) -> RenderedRuntime:
+    launch = engine.render(cfg, model_path(cfg))
+    env = dict(launch.env)
+    if cfg.model.source == "hf":
+        env["HF_HOME"] = CACHE_DIR
+        if cfg.secrets.hf_token:
+            env["HF_TOKEN"] = cfg.secrets.hf_token
+    unit = unit_name(node)
+    c = launch.container
+    unit_file = templates.render(
+        "runtime/vllm.service.j2", node=node, kind=cfg.runtime.kind, model=cfg.model.id,
+        env_file=f"/etc/fimfleet/vllm-{node}.env", user=SERVICE_USER, preload=PRELOAD[cfg.runtime.allocator],
+        state_dir=STATE_DIR, cache_dir=CACHE_DIR, venv=cfg.runtime.venv_path,
+        args=" ".join(shlex.quote(a) for a in launch.args), container=f"vllm-{node}",
+        image=cfg.runtime.image or default_image(cfg), shm_gib=c.shm_size_gib if c else 4,
+        cap_add=c.cap_add if c else (), security_opt=c.security_opt if c else (), gpus=c.gpus if c else "",
+        cpuset=cpu_affinity(cfg), cpu_affinity=cpu_affinity(cfg) if cfg.runtime.kind == "systemd" else "",
+        memory_max_mib=memory_max_mib(cfg), port=cfg.engine.port,
+    )
+    env_file = "".join(f"{k}={v}\n" for k, v in sorted(env.items()))
+    return RenderedRuntime(unit=unit, unit_file=unit_file, env_file=env_file,
+                           cgroup_dropin=templates.render("runtime/cgroup.conf.j2", oom_score_adjust=OOM_SCORE_ADJUST),
+                           launch=launch)
+
+
+class VllmRuntime(pulumi.ComponentResource):
+    """Install (venv or image), model, unit, start-and-wait; see module docstring."""
+
+    def __init__(self, name: str, cfg: StackConfig, node: str, connection: pulumi.Input[dict],
+                 opts: pulumi.ResourceOptions | None = None):
+        super().__init__("fimfleet:runtime:VllmRuntime", name, None, opts)
+        r = render(cfg, node)
+        self.unit = r.unit
+        kw = dict(unit=r.unit, venv=cfg.runtime.venv_path, user=SERVICE_USER, state_dir=STATE_DIR,
+                  cache_dir=CACHE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
+                  env_file=f"/etc/fimfleet/vllm-{node}.env")
+        child = pulumi.ResourceOptions(parent=self)
+
+        if cfg.runtime.kind == "systemd":
+            install = RemoteStep(
+                f"{name}-install", label="vLLM virtualenv", connection=connection,
+                files=[{"path": REMOTE_LOCK, "mode": "0644", "content": LOCK_FILE.read_text()}],
+                apply=templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
+                                       wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw),
+                timeout_s=3600, opts=child)
+        else:
+            image = cfg.runtime.image or default_image(cfg)
+            install = RemoteStep(f"{name}-image", label="vLLM image", connection=connection,
+                                 apply=templates.render("runtime/pull-image.sh.j2", image=image),
+                                 triggers=[image], timeout_s=3600, opts=child)
+
+        uploads = None
+        if cfg.model.source == "local":
+            uploads = [{"local": str(Path(cfg.model.local_path).resolve()), "remote": model_path(cfg),
+                        "digest": dir_digest(cfg.model.local_path)}]
+        model = RemoteStep(f"{name}-model", label="model", connection=connection, uploads=uploads,
+                           apply=templates.render("runtime/model.sh.j2", source=cfg.model.source,
+                                                  model_path=model_path(cfg), **{k: kw[k] for k in ("user", "state_dir", "cache_dir")}),
+                           timeout_s=3600, opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
+
+        files = [
+            {"path": f"/etc/systemd/system/{r.unit}", "mode": "0644", "content": r.unit_file},
+            {"path": f"/etc/systemd/system/{r.unit}.d/50-fimfleet-memory.conf", "mode": "0644", "content": r.cgroup_dropin},
+            {"path": kw["env_file"], "mode": "0600", "content": r.env_file},
+        ]
+        self.digest = templates.digest(files, uploads, cfg.runtime.vllm_version)
+        self.service = RemoteStep(
+            f"{name}-service", label="vLLM service", connection=connection, files=files,
+            apply=templates.render("runtime/start.sh.j2", timeout_s=cfg.runtime.start_timeout_s,
+                                   served_name=engine.served_name(cfg), port=cfg.engine.port, **kw),
+            check=templates.render("runtime/check.sh.j2", **kw),
+            destroy=templates.render("runtime/destroy.sh.j2", **kw),
+            triggers=[self.digest], timeout_s=cfg.runtime.start_timeout_s + 120,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[model]))
+        self.register_outputs({"unit": self.unit, "digest": self.digest})

@@ -1,0 +1,34 @@
+"""Jinja2 rendering of files/ templates; StrictUndefined, so a missing value fails loudly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+FILES = Path(__file__).resolve().parent.parent / "files"
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(FILES)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+        # Shell templates use ${#array[@]}; keep jinja comments out of their way.
+        comment_start_string="{##",
+        comment_end_string="##}",
+    )
+
+
+def render(name: str, **values) -> str:
+    return environment().get_template(name).render(**values)
+
+
+def digest(*parts) -> str:
+    """Stable short hash of rendered content, used as a trigger."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
