@@ -313,7 +313,9 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
             problems.append(Problem(f"kernel.sysctl.{k}", v, "not a sysctl name (dotted, e.g. vm.swappiness)"))
 
     memory = None
-    if model_spec is not None and not problems:
+    needed = (host.memory_gib, host.gpu_memory_gib, engine.kv_cache_gib, engine.max_model_len, engine.max_num_seqs,
+              engine.gpu_memory_utilization, engine.tensor_parallel_size)
+    if model_spec is not None and model.quantization in models.QUANTIZATIONS and None not in needed:
         memory = _check_memory(model_spec, model, engine, host, tier, problems)
     if problems:
         raise ConfigError(problems)
@@ -442,7 +444,6 @@ def _check_memory(spec, model, engine, host, tier, problems):
 
 def from_pulumi() -> StackConfig:
     """Read every `fimfleet:*` key of the running stack (unknown keys included, to reject them)."""
-    import pulumi
     from pulumi.runtime import config as rc
 
     raw, secret = {}, set()
@@ -453,8 +454,6 @@ def from_pulumi() -> StackConfig:
         short = full[len(prefix):]
         try:
             raw[short] = json.loads(value)
-            if isinstance(raw[short], (int, float)) and not isinstance(value, str):
-                pass
         except (TypeError, json.JSONDecodeError):
             raw[short] = value
         if rc.is_config_secret(full):
@@ -463,5 +462,4 @@ def from_pulumi() -> StackConfig:
     for k in ("sshPrivateKey", "hfToken", "tlsCert", "tlsKey", "tier"):
         if k in raw and not isinstance(raw[k], str):
             raw[k] = rc.CONFIG.get()[prefix + k]
-    del pulumi
     return parse(raw, frozenset(secret))

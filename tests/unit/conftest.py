@@ -1,0 +1,49 @@
+"""Pulumi mocks: set before any program code runs; records every registration with its
+parent, dependencies and which inputs were secret."""
+
+from __future__ import annotations
+
+import pulumi
+import pytest
+from pulumi.runtime import mocks as pmocks
+
+SECRET_SIG = "1b47061264138c4ac30d75fd1eb44270"
+SIG_KEY = "4dabf18193072939515e22adb298388d"
+
+
+class Recorder(pmocks.MockMonitor):
+    def __init__(self, m):
+        super().__init__(m)
+        self.registrations: list[dict] = []
+
+    def RegisterResource(self, request):  # noqa: N802 - gRPC name
+        resp = super().RegisterResource(request)
+        secret_fields = {k for k, v in request.object.fields.items()
+                         if v.HasField("struct_value") and v.struct_value.fields.get(SIG_KEY)
+                         and v.struct_value.fields[SIG_KEY].string_value == SECRET_SIG}
+        self.registrations.append({"type": request.type, "name": request.name, "urn": resp.urn,
+                                   "parent": request.parent, "deps": set(request.dependencies),
+                                   "secret_fields": secret_fields,
+                                   "inputs": pulumi.runtime.rpc.deserialize_properties(request.object)})
+        return resp
+
+
+class Mocks(pulumi.runtime.Mocks):
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs):
+        outs = dict(args.inputs)
+        if args.name.endswith("-cert"):
+            outs.update(caPem="CA", certPem="CERT", keyPem="KEY")
+        return f"{args.name}-id", outs
+
+    def call(self, args: pulumi.runtime.MockCallArgs):
+        return {}
+
+
+RECORDER = Recorder(Mocks())
+pulumi.runtime.set_mocks(Mocks(), project="fimfleet", stack="test", preview=False, monitor=RECORDER)
+
+
+@pytest.fixture
+def recorder():
+    RECORDER.registrations.clear()
+    return RECORDER

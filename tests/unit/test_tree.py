@@ -1,0 +1,150 @@
+"""The node's resource tree under Pulumi mocks: types, parents, order, secrets."""
+
+import pulumi
+import pytest
+
+from components import config
+from components.fleet import Fleet
+from tests.helpers import API_KEY, raw_config
+
+
+def build(**sections):
+    raw, secret = raw_config(**sections)
+    return Fleet("fleet", {"node": config.parse(raw, secret)})
+
+
+def by_name(recorder):
+    return {r["name"]: r for r in recorder.registrations}
+
+
+def ancestors(regs, name):
+    urn_to = {r["urn"]: r for r in regs.values()}
+    out, parent = [], regs[name]["parent"]
+    while parent in urn_to:
+        out.append(urn_to[parent]["name"])
+        parent = urn_to[parent]["parent"]
+    return out
+
+
+def settle(fleet):
+    """Resolves once the last resource of the node (the SLA check) has been registered."""
+    node = fleet.nodes["node"]
+    return pulumi.Output.all(node.sla.id, node.monitor.step.id, node.ingress.step.id, node.endpoint)
+
+
+@pulumi.runtime.test
+def test_tree_types_and_parents(recorder):
+    fleet = build()
+
+    def check(_):
+        regs = by_name(recorder)
+        types = {n: r["type"] for n, r in regs.items()}
+        assert types["node"] == "fimfleet:node:InferenceNode"
+        assert types["node-host"] == "fimfleet:host:Host"
+        assert types["node-kernel"] == "fimfleet:kernel:KernelTuning"
+        assert types["node-runtime"] == "fimfleet:runtime:VllmRuntime"
+        assert types["node-ingress"] == "fimfleet:ingress:NginxIngress"
+        assert types["node-monitor"] == "fimfleet:monitor:Monitor"
+        assert types["node-sla"] == "pulumi-python:dynamic/fimfleet:FimSlaCheck"
+        for step in ("node-host-preflight", "node-host-packages", "node-kernel-apply", "node-runtime-install",
+                     "node-runtime-model", "node-runtime-service", "node-ingress-nginx", "node-monitor-timer"):
+            assert types[step] == "pulumi-python:dynamic:Resource", step
+        assert ancestors(regs, "node-kernel-apply")[:3] == ["node-kernel", "node", "fleet"]
+        assert ancestors(regs, "node-runtime-service")[:2] == ["node-runtime", "node"]
+        assert ancestors(regs, "node-sla")[:2] == ["node", "fleet"]
+
+    return settle(fleet).apply(check)
+
+
+@pulumi.runtime.test
+def test_dependency_order(recorder):
+    """depends_on a component reaches the engine as that component's resources: check by name."""
+    fleet = build()
+
+    def check(_):
+        regs = by_name(recorder)
+        name_of = {r["urn"]: n for n, r in regs.items()}
+
+        def deps(name):
+            return {name_of.get(u, u) for u in regs[name]["deps"]}
+
+        assert "node-host-preflight" in deps("node-host-packages")
+        assert "node-host-packages" in deps("node-kernel")
+        assert "node-kernel-apply" in deps("node-runtime")
+        assert "node-runtime-install" in deps("node-runtime-model")
+        assert "node-runtime-model" in deps("node-runtime-service")
+        assert "node-runtime-service" in deps("node-ingress")
+        assert "node-ingress-nginx" in deps("node-monitor")
+        assert "node-monitor-timer" in deps("node-sla")
+
+    return settle(fleet).apply(check)
+
+
+@pulumi.runtime.test
+def test_secrets_stay_secret(recorder):
+    fleet = build()
+    node = fleet.nodes["node"]
+
+    def check(_):
+        regs = by_name(recorder)
+        for name, r in regs.items():
+            if "connection" in r["inputs"]:
+                assert "connection" in r["secret_fields"], name
+        assert "files" in regs["node-ingress-nginx"]["secret_fields"]
+        assert "files" in regs["node-monitor-timer"]["secret_fields"]
+        assert "api_key" in regs["node-sla"]["secret_fields"] or "apiKey" in regs["node-sla"]["secret_fields"]
+        for name, r in regs.items():
+            plain = {k: v for k, v in r["inputs"].items() if k not in r["secret_fields"]}
+            assert API_KEY not in repr(plain), f"API key in plain inputs of {name}"
+            assert "PRIVATE KEY" not in repr(plain), f"SSH key in plain inputs of {name}"
+
+    async def is_secret(out):
+        return await out.is_secret()
+
+    def check_outputs(_):
+        return pulumi.Output.all(*(pulumi.Output.from_input(is_secret(o)) for o in
+                                   (node.continue_yaml, node.continue_json, node.cursor_settings)))
+
+    return settle(fleet).apply(check).apply(check_outputs).apply(lambda flags: assert_all(flags))
+
+
+def assert_all(flags):
+    assert all(flags), flags
+
+
+@pytest.mark.parametrize("stack", ["gpu-l40s", "cpu-epyc-14b-int4"])
+def test_other_tiers_build(stack):
+    @pulumi.runtime.test
+    def run():
+        fleet = build(tier=stack)
+        return settle(fleet).apply(lambda a: a[-1].startswith("https://"))
+    run()
+
+
+def _inputs_for(**sections):
+    """Build a tree and return the inputs of every remote step, by name."""
+    from tests.unit.conftest import RECORDER
+
+    RECORDER.registrations.clear()
+
+    @pulumi.runtime.test
+    def run():
+        return settle(build(**sections))
+
+    run()
+    return {r["name"]: r["inputs"] for r in RECORDER.registrations if r["type"].startswith("pulumi-python:dynamic")}
+
+
+def _changed(a, b):
+    skip = {"__provider"}
+    return sorted(n for n in a if {k: v for k, v in a[n].items() if k not in skip}
+                  != {k: v for k, v in b[n].items() if k not in skip})
+
+
+def test_changed_value_changes_only_its_resources():
+    base = _inputs_for()
+    assert _changed(base, _inputs_for(kernel={"sysctl": {"vm.swappiness": "5"}})) == ["node-kernel-apply", "node-sla"]
+    assert _changed(base, _inputs_for(monitor={"intervalS": 30})) == ["node-monitor-timer"]
+    assert _changed(base, _inputs_for(engine={"maxNumSeqs": 8})) == ["node-runtime-service", "node-sla"]
+    assert _changed(base, _inputs_for(ingress={"ratePerSecond": 5})) == [
+        "node-ingress-nginx", "node-sla"]
