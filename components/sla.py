@@ -734,15 +734,13 @@ async def run_probe_async(config: ProbeConfig) -> ProbeReport:
 def run_probe(config: ProbeConfig) -> ProbeReport:
     """Run warmup + measured FIM requests against ``config.endpoint``; never hangs.
 
-    Safe to call from plain threads (the Pulumi provider) and from inside a running
-    event loop (it then runs the probe on a private loop in a worker thread).
+    The probe always runs on a private event loop in a worker thread, so the
+    caller's thread and its event-loop state are untouched: safe from the Pulumi
+    dynamic-provider host, from a Pulumi program's main thread (whose loop Pulumi
+    owns), and from inside a running event loop.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(run_probe_async(config))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: asyncio.run(run_probe_async(config))).result()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fim-probe") as pool:
+        return pool.submit(asyncio.run, run_probe_async(config)).result()
 
 
 # --------------------------------------------------------------------------------------

@@ -266,14 +266,32 @@ def test_concurrency_uses_bounded_keepalive_pool(fake):
     assert elapsed < 0.88                 # sequential would take >= 9 x 0.1 s: they overlapped
 
 
-def test_probe_is_safe_inside_a_running_event_loop(fake):
+def test_probe_leaves_the_callers_event_loop_alone(fake):
     import asyncio
 
     async def inner():
         return run_probe(_cfg(fake, samples=2, warmup=0))
 
-    report = asyncio.run(inner())
-    assert len(report.ok_results) == 2
+    # inside a running loop (not asyncio.run: that would reset this thread's loop)
+    loop = asyncio.new_event_loop()
+    try:
+        assert len(loop.run_until_complete(inner()).ok_results) == 2
+    finally:
+        loop.close()
+    # a Pulumi program's main thread owns its current loop: run_probe must not touch it
+    policy = asyncio.get_event_loop_policy()
+    try:
+        previous = policy.get_event_loop()
+    except RuntimeError:
+        previous = None
+    mine = asyncio.new_event_loop()
+    policy.set_event_loop(mine)
+    try:
+        assert len(run_probe(_cfg(fake, samples=1, warmup=0)).ok_results) == 1
+        assert policy.get_event_loop() is mine and not mine.is_closed()
+    finally:
+        policy.set_event_loop(previous)
+        mine.close()
 
 
 # ---------------------------------------------------------------- TLS
@@ -397,3 +415,84 @@ def test_benchmark_compare_function_in_process(fake):
     cfg = _cfg(fake, samples=4, warmup=1, max_tokens=4)
     result = bench.compare(dataclasses.replace(cfg), metrics_model=MODEL)
     assert result["server_ttft_count"] == 4 and result["probe_ttft_samples"] == 4
+
+
+# ---------------------------------------------------------------- real Pulumi engine
+
+PULUMI = ROOT / ".toolchain" / "pulumi"
+
+PROGRAM = '''
+import json, os
+import pulumi
+from components.sla import FimSlaCheck
+
+chk = FimSlaCheck(
+    "sla",
+    endpoint=os.environ["E2E_URL"],
+    api_key=os.environ["E2E_KEY"],
+    model="fake-qwen",
+    trigger=os.environ["E2E_TRIGGER"],
+    thresholds=json.loads(os.environ["E2E_THRESHOLDS"]),
+    samples=3,
+    warmup=1,
+)
+pulumi.export("passed", chk.passed)
+pulumi.export("p99", chk.report.apply(lambda r: r["ttft_ms"]["p99"]))
+'''
+
+
+@pytest.mark.skipif(not PULUMI.exists(), reason="Pulumi toolchain not built (./fimfleet bootstrap)")
+@pytest.mark.timeout(300)
+def test_pulumi_up_gate_end_to_end(fake, tmp_path):
+    """`pulumi up` with the real engine: pass, no re-run when unchanged, re-run on a new
+    trigger, fail with the report on a missed SLA, and the key stays encrypted in state."""
+    prog = tmp_path / "prog"
+    prog.mkdir()
+    (prog / "Pulumi.yaml").write_text("name: slae2e\nruntime:\n  name: python\n")
+    (prog / "__main__.py").write_text(PROGRAM)
+    (tmp_path / "state").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PULUMI_")}
+    env.update(
+        PATH=f"{PULUMI.parent}:{env.get('PATH', '')}",
+        PULUMI_HOME=str(tmp_path / "home"),
+        PULUMI_BACKEND_URL=f"file://{tmp_path / 'state'}",
+        PULUMI_SKIP_UPDATE_CHECK="true",
+        PULUMI_DISABLE_AUTOMATIC_PLUGIN_ACQUISITION="true",
+        PULUMI_PYTHON_CMD=sys.executable,
+        PULUMI_CONFIG_PASSPHRASE="fimfleet-test",
+        PYTHONPATH=str(ROOT),
+        E2E_URL=fake.url, E2E_KEY=KEY, E2E_TRIGGER="t1",
+        E2E_THRESHOLDS='{"ttft_p99_ms": 5000}',
+    )
+
+    def pulumi(*args, **extra_env):
+        return subprocess.run([str(PULUMI), *args, "--non-interactive"], cwd=prog,
+                              env=dict(env, **extra_env), capture_output=True, text=True, timeout=240)
+
+    assert pulumi("stack", "init", "dev").returncode == 0
+    # (an empty stack config trips the Python SDK's config loader; give it one key)
+    assert pulumi("config", "set", "unused", "x").returncode == 0
+
+    up = pulumi("up", "--yes", "--skip-preview")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert len(fake.completion_requests()) == 4
+
+    again = pulumi("up", "--yes", "--skip-preview")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "2 unchanged" in again.stdout
+    assert len(fake.completion_requests()) == 4          # nothing changed: no probe
+
+    new_trigger = pulumi("up", "--yes", "--skip-preview", E2E_TRIGGER="t2")
+    assert new_trigger.returncode == 0, new_trigger.stdout + new_trigger.stderr
+    assert len(fake.completion_requests()) == 8          # upstream changed: probe again
+
+    missed = pulumi("up", "--yes", "--skip-preview", E2E_TRIGGER="t2",
+                    E2E_THRESHOLDS='{"ttft_p99_ms": 1}')
+    assert missed.returncode != 0
+    out = missed.stdout + missed.stderr
+    assert "SLA MISSED" in out and "ttft_p99_ms: measured" in out and "TTFT histogram:" in out
+
+    state = pulumi("stack", "export")
+    assert state.returncode == 0
+    assert KEY not in state.stdout                       # key and its hash are ciphertext
+    assert '"api_key_sha256"' in state.stdout
