@@ -28,7 +28,7 @@ LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "req
 REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
 PRELOAD = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
            "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "none": ""}
-OOM_SCORE_ADJUST = -500
+OOM_SCORE_ADJUST = 300
 
 
 def unit_name(node: str) -> str:

@@ -1,0 +1,163 @@
+"""Rendered host files pass real tools: systemd-analyze verify, bash -n, shellcheck,
+and a list of the kernel's sysctl names."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from components import config, host, kernel, monitor, runtime
+from components.ingress import render_files as ingress_files
+from tests.helpers import raw_config
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+KNOWN_SYSCTLS = {l.strip() for l in (DATA / "sysctl-keys.txt").read_text().splitlines() if l and not l.startswith("#")}
+# Installed on the host by earlier steps (the venv, fimfleet's scripts, the docker.io package).
+INSTALLED_BY_FIMFLEET = ("/opt/fimfleet/", "/usr/local/lib/fimfleet/", "/usr/bin/docker")
+
+
+def cfg_for(tier="cpu-epyc-prod", **sections):
+    raw, secret = raw_config(tier, **sections)
+    return config.parse(raw, secret)
+
+
+def verify_unit(tmp_path: Path, name: str, content: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
+    problems = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        m = re.search(r"Command (\S+) is not executable", line)
+        if m and m.group(1).startswith(INSTALLED_BY_FIMFLEET):
+            continue
+        if "Unit docker.service not found" in line:
+            continue
+        if line.strip():
+            problems.append(line)
+    assert not problems, f"{name}:\n" + "\n".join(problems)
+
+
+def units(cfg, node="node"):
+    r = runtime.render(cfg, node)
+    kr = kernel.render(cfg)
+    m = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in monitor.render_files(cfg, node, r.unit, "k" * 32, "CA")}
+    engine_unit = r.unit_file.replace("[Install]", r.cgroup_dropin.split("[Service]", 1)[1].strip() + "\n\n[Install]")
+    yield r.unit, engine_unit
+    yield "fimfleet-tuning.service", next(f["content"] for f in kr.files if f["path"] == kernel.UNIT_PATH)
+    for name in (monitor.names(node)["service"], monitor.names(node)["timer"]):
+        yield name, m[name]
+
+
+VARIANTS = {
+    "cpu-systemd": ("cpu-epyc-prod", {}),
+    "gpu-docker": ("gpu-l40s", {}),
+    "cpu-docker-tcmalloc-watchdog": ("cpu-epyc-7b-int8", {"runtime": {"kind": "docker", "allocator": "tcmalloc"},
+                                                          "monitor": {"watchdog": True}}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_units_pass_systemd_analyze_verify(variant, tmp_path):
+    tier, sections = VARIANTS[variant]
+    for name, content in units(cfg_for(tier, **sections)):
+        verify_unit(tmp_path, name, content)
+
+
+def test_verify_catches_a_broken_unit(tmp_path):
+    with pytest.raises(AssertionError, match="Unknown key"):
+        verify_unit(tmp_path, "broken.service", "[Service]\nExecStart=/bin/true\nMemorySwapMaximum=0\n")
+
+
+def scripts(cfg):
+    kr = kernel.render(cfg)
+    yield "kernel-apply", kr.apply
+    yield "kernel-check", kr.check
+    yield "kernel-destroy", kr.destroy
+    yield "kernel-tuning", next(f["content"] for f in kr.files if f["path"] == kernel.APPLY_SCRIPT)
+    yield "preflight", host.preflight_script(cfg)
+    from components import templates
+
+    yield "packages", templates.render("host/packages.sh.j2", packages=host.packages(cfg))
+    yield "packages-destroy", templates.render("host/packages-destroy.sh.j2")
+    r = runtime.render(cfg, "node")
+    kw = dict(unit=r.unit, venv=cfg.runtime.venv_path, user=runtime.SERVICE_USER, state_dir=runtime.STATE_DIR,
+              cache_dir=runtime.CACHE_DIR, kind=cfg.runtime.kind, container="vllm-node", env_file="/etc/fimfleet/x.env")
+    yield "install-venv", templates.render("runtime/install-venv.sh.j2", lock_path="/etc/x.lock", wheelhouse_url="",
+                                           index_url="", **kw)
+    yield "install-venv-wheelhouse", templates.render("runtime/install-venv.sh.j2", lock_path="/etc/x.lock",
+                                                      wheelhouse_url="http://10.0.2.2:8000/", index_url="", **kw)
+    yield "pull-image", templates.render("runtime/pull-image.sh.j2", image="vllm/vllm-openai:v0.32.0")
+    yield "model", templates.render("runtime/model.sh.j2", source="local", model_path="/var/lib/m", **{
+        k: kw[k] for k in ("user", "state_dir", "cache_dir")})
+    yield "start", templates.render("runtime/start.sh.j2", timeout_s=60, served_name="m", port=8000, **kw)
+    yield "runtime-check", templates.render("runtime/check.sh.j2", **kw)
+    yield "runtime-destroy", templates.render("runtime/destroy.sh.j2", **kw)
+    staged, installs = ingress_files(cfg, "example.com", "CERT", "KEY")
+    ikw = dict(conf_dir="/etc/nginx", staged_dir="/etc/fimfleet/nginx-staged", tls_dir="/etc/fimfleet/tls",
+               files=installs, https_port=443, acme=True, acme_email="ops@example.com", domain="example.com",
+               tls_cert="/etc/x.pem")
+    check = templates.render("ingress/check.sh.j2", **ikw)
+    yield "ingress-apply", templates.render("ingress/apply.sh.j2", check=check, **ikw)
+    yield "ingress-destroy", templates.render("ingress/destroy.sh.j2", **ikw)
+    n = monitor.names("node")
+    mkw = dict(unit=r.unit, unit_base="vllm-node", interval_s=15, watchdog=True, **n)
+    for t in ("apply", "check", "destroy"):
+        yield f"monitor-{t}", templates.render(f"monitor/{t}.sh.j2", **mkw)
+    for f in ("fim-probe.sh", "recover.sh"):
+        yield f, (templates.FILES / "monitor" / f).read_text()
+
+
+@pytest.mark.parametrize("tier", ["cpu-epyc-prod", "gpu-l40s"])
+def test_scripts_pass_bash_n_and_shellcheck(tier, tmp_path):
+    assert shutil.which("shellcheck"), "shellcheck is installed by ./fimfleet bootstrap"
+    cfg = cfg_for(tier)
+    for name, body in scripts(cfg):
+        path = tmp_path / f"{name}.sh"
+        # RemoteStep prepends `set -euo pipefail` and runs the script with bash.
+        path.write_text("#!/bin/bash\nset -euo pipefail\n" + body if not body.startswith("#!") else body)
+        syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert syntax.returncode == 0, f"{name}: {syntax.stderr}"
+        lint = subprocess.run(["shellcheck", "-S", "warning", "-s", "bash", str(path)], capture_output=True, text=True)
+        assert lint.returncode == 0, f"{name}:\n{lint.stdout}"
+
+
+def test_shellcheck_catches_a_bad_script(tmp_path):
+    path = tmp_path / "bad.sh"
+    path.write_text("#!/bin/bash\nrm -rf $dir/\n[ $x = 1 ]\n")
+    assert subprocess.run(["shellcheck", "-S", "warning", str(path)], capture_output=True).returncode != 0
+
+
+def test_sysctl_file_uses_only_known_keys():
+    cfg = cfg_for()
+    content = next(f["content"] for f in kernel.render(cfg).files if f["path"] == kernel.SYSCTL_PATH)
+    keys = [l.split("=", 1)[0].strip() for l in content.splitlines() if l and not l.startswith("#")]
+    assert keys and set(keys) <= KNOWN_SYSCTLS, set(keys) - KNOWN_SYSCTLS
+    # The scheduler knob moved to debugfs in Linux 5.13: it must not be written as a sysctl.
+    assert "kernel.sched_migration_cost_ns" not in keys
+
+
+def test_sysctl_override_reaches_the_file_and_the_verify_script():
+    cfg = cfg_for(kernel={"sysctl": {"vm.swappiness": "7"}})
+    r = kernel.render(cfg)
+    assert "vm.swappiness = 7" in next(f["content"] for f in r.files if f["path"] == kernel.SYSCTL_PATH)
+    assert "wanted '7'" in r.check
+
+
+def test_engine_unit_is_loopback_only_and_hardened():
+    r = runtime.render(cfg_for(), "node")
+    assert "--host 127.0.0.1" in r.unit_file
+    for directive in ("NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes", "LimitMEMLOCK=infinity",
+                      "CPUAffinity=1-31", "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"):
+        assert directive in r.unit_file, directive
+    assert "MemorySwapMax=0" in r.cgroup_dropin and "OOMPolicy=kill" in r.cgroup_dropin
+    assert "VLLM_CPU_KVCACHE_SPACE=16" in r.env_file
+
+
+def test_gpu_container_requests_gpus():
+    r = runtime.render(cfg_for("gpu-l40s"), "node")
+    assert "--gpus all" in r.unit_file and "vllm/vllm-openai:v0.32.0" in r.unit_file
+    assert "--tensor-parallel-size 1" in r.unit_file and "--gpu-memory-utilization 0.9" in r.unit_file
