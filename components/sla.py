@@ -361,7 +361,9 @@ class ProbeReport:
     def errors(self) -> list[RequestResult]:
         return [r for r in self.results if not r.ok]
 
-    def to_dict(self, per_request: bool = True) -> dict[str, Any]:
+    def to_dict(self, per_request: bool = True, max_per_request: Optional[int] = None) -> dict[str, Any]:
+        """Stats, histogram, errors and worst requests; with ``per_request`` also one
+        compact entry per measured request (the first ``max_per_request`` of them)."""
         ok = self.ok_results
         errors = self.errors
         ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
@@ -407,7 +409,9 @@ class ProbeReport:
             "aborted": self.aborted,
         }
         if per_request:
-            out["per_request"] = [r.to_dict() for r in self.results]
+            shown = self.results if max_per_request is None else self.results[:max_per_request]
+            out["per_request"] = [r.to_dict() for r in shown]
+            out["per_request_truncated"] = len(shown) < len(self.results)
         return out
 
 
@@ -1073,6 +1077,7 @@ _DIFF_KEYS = (
     "max_tokens", "ca_pem", "insecure_skip_verify", "probe_options",
 )
 _DEFAULTS = ProbeConfig(endpoint="http://unused", model="unused")
+_MAX_PER_REQUEST_IN_STATE = 100  # keeps stack state small for large sample counts
 
 
 def _key_hash(api_key: Any) -> Optional[str]:
@@ -1254,7 +1259,7 @@ class FimSlaCheckProvider(pulumi.dynamic.ResourceProvider):
     def _probe(self, props: Mapping[str, Any]) -> dict[str, Any]:
         cfg, thresholds = _config_from_props(props)
         result = check_sla(cfg, thresholds)
-        report = result.report.to_dict()
+        report = result.report.to_dict(max_per_request=_MAX_PER_REQUEST_IN_STATE)
         report["violations"] = [v.to_dict() for v in result.violations]
         report["thresholds"] = thresholds.to_dict()
         if not result.passed:

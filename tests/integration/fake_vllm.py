@@ -380,6 +380,44 @@ def make_test_pki(directory: str, hostnames: tuple[str, ...] = ("localhost",),
     return {**paths, "ca_pem": ca_pem, "cert_pem": cert_pem}
 
 
+def make_self_signed(directory: str, ip: str = "127.0.0.1") -> dict[str, str]:
+    """A self-signed server certificate (CA:FALSE), as users often bring: no CA at all.
+
+    Keys: ``cert_pem`` (PEM text), ``cert_file``, ``key_file``.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fimfleet self-signed node")])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name).issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _dt.timedelta(minutes=5))
+        .not_valid_after(now + _dt.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    paths = {"cert_file": os.path.join(directory, "self.pem"),
+             "key_file": os.path.join(directory, "self.key")}
+    cert_pem = cert.public_bytes(pem).decode()
+    with open(paths["cert_file"], "w") as fh:
+        fh.write(cert_pem)
+    with open(paths["key_file"], "wb") as fh:
+        fh.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption()))
+    os.chmod(paths["key_file"], 0o600)
+    return {**paths, "cert_pem": cert_pem}
+
+
 def _main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=8000)

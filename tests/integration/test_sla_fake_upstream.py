@@ -310,6 +310,16 @@ def test_tls_pinning_the_server_certificate_itself(tls_fake, pki):
     assert report.results[0].ok, report.results[0].error
 
 
+def test_tls_self_signed_server_cert_as_ca_pem(tmp_path):
+    ss = fake_vllm.make_self_signed(str(tmp_path))
+    cfg = fake_vllm.FakeConfig(api_keys=(KEY,), model=MODEL, ttft_s=0.002, inter_chunk_s=0.001)
+    with fake_vllm.FakeVllm(cfg, certfile=ss["cert_file"], keyfile=ss["key_file"]) as server:
+        report = run_probe(_cfg(server, ca_pem=ss["cert_pem"], samples=1, warmup=0))
+        assert report.results[0].ok, report.results[0].error
+        report = run_probe(_cfg(server, samples=1, warmup=0))           # not trusted by default
+        assert report.results[0].error_kind == "tls"
+
+
 def test_tls_rejects_untrusted_or_mismatched_cert(tls_fake, pki, tmp_path):
     other = fake_vllm.make_test_pki(str(tmp_path))
     for cfg in (

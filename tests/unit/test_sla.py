@@ -173,6 +173,9 @@ def test_report_to_dict_stats_errors_and_worst():
     assert len(d["per_request"]) == 11
     assert d["percentile_method"] == "nearest-rank"
     assert "per_request" not in _report(results).to_dict(per_request=False)
+    capped = _report(results).to_dict(max_per_request=3)
+    assert [r["index"] for r in capped["per_request"]] == [0, 1, 2] and capped["per_request_truncated"]
+    assert capped["requests"] == 11 and d["per_request_truncated"] is False
 
 
 # ---------------------------------------------------------------- thresholds / evaluate
