@@ -2,7 +2,7 @@
 
 import pulumi
 
-from components import config
+from components import config, engine
 from components.fleet import Fleet
 
 try:
@@ -11,6 +11,18 @@ except config.ConfigError as err:
     # One readable list of every problem, before any resource (or host) is touched.
     pulumi.log.error(str(err))
     raise SystemExit(32) from None
+
+# vLLM's own parser checks the rendered engine arguments wherever the pinned vLLM is
+# installed (FIMFLEET_VLLM_PYTHON), so a removed or misspelled flag fails the preview.
+if engine.vllm_python():
+    from components.runtime import model_path
+
+    launch = engine.render(cfg, model_path(cfg))
+    try:
+        engine.check_with_vllm(launch.args, launch.env)
+    except engine.VllmRejected as err:
+        pulumi.log.error(f"fimfleet:engine: {err}. Fix engine.extraArgs / engine.env in the stack config.")
+        raise SystemExit(32) from None
 
 fleet = Fleet("fleet", {"node": cfg})
 node = fleet.nodes["node"]

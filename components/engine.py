@@ -98,19 +98,21 @@ def vllm_python() -> str | None:
     return p if p and Path(p).exists() else None
 
 
-def check_with_vllm(args: tuple[str, ...] | list[str], env: dict[str, str], python: str | None = None) -> dict:
-    """Parse args with vLLM's engine-argument parser in the vLLM interpreter; raise VllmRejected with vLLM's message."""
+def check_many_with_vllm(cases: list[tuple[list[str], dict[str, str]]], python: str | None = None) -> list[dict]:
+    """Parse several argument sets in one vLLM interpreter (importing vLLM takes seconds)."""
     python = python or vllm_python()
     if python is None:
         raise FileNotFoundError("no vLLM interpreter: set FIMFLEET_VLLM_PYTHON (toolchain/vllm/install.sh prints it)")
-    proc = subprocess.run(
-        [python, str(CHECKER)], input=json.dumps({"args": list(args), "env": env}),
-        capture_output=True, text=True, timeout=300,
-    )
+    request = {"cases": [{"args": list(a), "env": dict(e)} for a, e in cases]}
+    proc = subprocess.run([python, str(CHECKER)], input=json.dumps(request), capture_output=True, text=True, timeout=600)
     try:
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
+        return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    except (IndexError, KeyError, json.JSONDecodeError):
         raise RuntimeError(f"vLLM argument check crashed (exit {proc.returncode}): {proc.stderr[-2000:]}") from None
-    if not result.get("ok"):
-        raise VllmRejected(result.get("error", "rejected"))
-    return result
+
+
+def check_with_vllm(args, env: dict[str, str], python: str | None = None) -> None:
+    """Raise VllmRejected with vLLM's own message when its parser refuses args or env."""
+    result = check_many_with_vllm([(list(args), env)], python)[0]
+    if not result["ok"]:
+        raise VllmRejected(result["error"])

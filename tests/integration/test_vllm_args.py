@@ -1,0 +1,69 @@
+"""Rendered engine arguments go through the parser of the pinned vLLM, and the classic
+runbook mistakes are rejected by it with vLLM's own words."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components import config, engine, runtime
+from components.tiers import TIERS
+from tests.helpers import raw_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    python = engine.vllm_python()
+    assert python, "FIMFLEET_VLLM_PYTHON must point at the pinned vLLM venv (./fimfleet test sets it)"
+    return python
+
+
+TINY_CONFIG = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
+               "intermediate_size": 128, "vocab_size": 4096, "max_position_embeddings": 2048, "tie_word_embeddings": True}
+
+
+def rendered(tier, tmp_path):
+    sections = {}
+    if tier == "local-vm":  # a model directory's config.json is all the sizing and the arguments need
+        (tmp_path / "tiny").mkdir(exist_ok=True)
+        (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
+        sections = {"host": {"kind": "local-vm", "testbedState": "/x"},
+                    "model": {"source": "local", "localPath": str(tmp_path / "tiny"), "servedName": "tiny-qwen2-fim"}}
+    raw, secret = raw_config(tier, **sections)
+    cfg = config.parse(raw, secret)
+    return engine.render(cfg, runtime.model_path(cfg))
+
+
+def test_every_tier_renders_arguments_vllm_accepts(vllm_python, tmp_path):
+    tiers = sorted(TIERS)
+    launches = [rendered(t, tmp_path) for t in tiers]
+    results = engine.check_many_with_vllm([(list(l.args), l.env) for l in launches], vllm_python)
+    bad = {t: r["error"] for t, r in zip(tiers, results) if not r["ok"]}
+    assert not bad, bad
+
+
+BASE = ["--model", "/models/qwen", "--dtype", "bfloat16"]
+RUNBOOK_MISTAKES = {
+    "--device openvino": (BASE + ["--device", "openvino"], {}, "--device"),
+    "--swap-space 4": (BASE + ["--swap-space", "4"], {}, "--swap-space"),
+    "--model-format auto": (BASE + ["--model-format", "auto"], {}, "--model-format"),
+    "VLLM_OPENVINO_KVCACHE_SPACE": (BASE, {"VLLM_OPENVINO_KVCACHE_SPACE": "8"}, "VLLM_OPENVINO_KVCACHE_SPACE"),
+}
+
+
+def test_runbook_mistakes_are_rejected_by_vllm(vllm_python):
+    names = list(RUNBOOK_MISTAKES)
+    cases = [(RUNBOOK_MISTAKES[n][0], RUNBOOK_MISTAKES[n][1]) for n in names] + [(BASE, {"VLLM_CPU_KVCACHE_SPACE": "4"})]
+    results = engine.check_many_with_vllm(cases, vllm_python)
+    for name, result in zip(names, results):
+        assert not result["ok"], f"{name} was accepted"
+        assert RUNBOOK_MISTAKES[name][2] in result["error"], result["error"]
+    assert results[-1]["ok"], results[-1]  # the control: the same base is fine without the mistake
+
+
+def test_check_with_vllm_raises_with_vllms_message(vllm_python):
+    with pytest.raises(engine.VllmRejected, match="unrecognized arguments: --swap-space"):
+        engine.check_with_vllm(BASE + ["--swap-space", "4"], {}, vllm_python)
