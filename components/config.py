@@ -67,7 +67,7 @@ class HostConfig:
     user: str = key(default="root")
     bastion: dict = key(default=None, subkeys=("address", "port", "user"))
     testbed_state: str = key(default="")
-    """local-vm: the testbed's state directory (holds vm.json, written by toolchain/testbed)."""
+    """local-vm: the testbed's state directory (holds info.json, written by toolchain/testbed/vm.py)."""
     cpus: int = key(check=POSITIVE)
     memory_gib: int = key(check=POSITIVE)
     memory_bandwidth_gbs: float = key(check=_range(0.1, 100000))

@@ -38,12 +38,25 @@ def preflight_script(cfg: StackConfig) -> str:
     )
 
 
+def _testbed_info(state_dir: str) -> dict:
+    """The test VM's facts, written by toolchain/testbed/vm.py (info.json)."""
+    path = Path(state_dir) / "info.json"
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise FileNotFoundError(f"fimfleet:host.testbedState: no test VM in {state_dir} ({e}); "
+                                "start one with `python3 toolchain/testbed/vm.py restore --state DIR`") from None
+
+
 def testbed_connection(state_dir: str) -> dict:
-    """Read the test VM's connection facts written by toolchain/testbed (vm.json)."""
-    info = json.loads((Path(state_dir) / "vm.json").read_text())
-    key = Path(info["ssh_key"]).read_text()
-    return {"host": info["ssh_host"], "port": int(info["ssh_port"]), "user": info.get("ssh_user", "root"),
-            "privateKey": key}
+    ssh = _testbed_info(state_dir)["ssh"]
+    return {"host": ssh["host"], "port": int(ssh["port"]), "user": ssh.get("user", "root"),
+            "privateKey": Path(ssh["key"]).read_text()}
+
+
+def testbed_forwards(state_dir: str) -> dict[int, int]:
+    """Guest port -> host port of the VM's user-mode network forwards."""
+    return {int(g): int(h) for g, h in _testbed_info(state_dir)["ports"].items()}
 
 
 def connection_for(cfg: StackConfig) -> pulumi.Output[dict]:

@@ -7,6 +7,11 @@ import functools
 
 API_KEY = "k" * 8 + "0123456789abcdef0123456789"
 
+# The shape of the tiny test model's config.json: all that sizing and engine arguments read.
+TINY_CONFIG = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
+               "intermediate_size": 256, "vocab_size": 8192, "max_position_embeddings": 4096,
+               "tie_word_embeddings": True}
+
 
 @functools.lru_cache(maxsize=1)
 def ssh_key() -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import API_KEY, ssh_key
+from tests.helpers import API_KEY, TINY_CONFIG, ssh_key
 
 ROOT = Path(__file__).resolve().parents[2]
 STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in (ROOT / "stacks").glob("Pulumi.*.yaml"))
@@ -47,12 +47,13 @@ def stack_copy(stack: str, tmp_path: Path, extra: dict | None = None) -> Path:
 
 
 def fake_testbed(tmp_path: Path) -> Path:
-    """A vm.json like toolchain/testbed writes, for previewing the local stack without a VM."""
+    """An info.json like toolchain/testbed/vm.py writes, for previewing the local stack without a VM."""
     state = tmp_path / "testbed"
     state.mkdir()
     (state / "id_ed25519").write_text(ssh_key())
-    (state / "vm.json").write_text(json.dumps({"ssh_host": "127.0.0.1", "ssh_port": 1, "ssh_user": "root",
-                                               "ssh_key": str(state / "id_ed25519"), "forwards": {"443": 1}}))
+    (state / "info.json").write_text(json.dumps({"ssh": {"host": "127.0.0.1", "port": 1, "user": "root",
+                                                         "key": str(state / "id_ed25519")},
+                                                 "ports": {"22": 1, "443": 2}}))
     return state
 
 
@@ -61,6 +62,10 @@ def test_preview_every_stack(stack, tmp_path):
     extra = {}
     if stack == "local":
         extra["fimfleet:host.testbedState"] = str(fake_testbed(tmp_path))
+        model = tmp_path / "tiny-model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+        extra["fimfleet:model.localPath"] = str(model)
     cfg = stack_copy(stack, tmp_path, extra)
     out = pulumi("preview", "-s", stack, "--config-file", str(cfg), "--non-interactive", "--diff").stdout
     for resource in ("node-host-preflight", "node-kernel-apply", "node-runtime-service", "node-ingress-nginx",

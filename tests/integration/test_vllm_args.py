@@ -9,7 +9,7 @@ import pytest
 
 from components import config, engine, runtime
 from components.tiers import TIERS
-from tests.helpers import raw_config
+from tests.helpers import TINY_CONFIG, raw_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -19,10 +19,6 @@ def vllm_python():
     python = engine.vllm_python()
     assert python, "FIMFLEET_VLLM_PYTHON must point at the pinned vLLM venv (./fimfleet test sets it)"
     return python
-
-
-TINY_CONFIG = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
-               "intermediate_size": 128, "vocab_size": 4096, "max_position_embeddings": 2048, "tie_word_embeddings": True}
 
 
 def rendered(tier, tmp_path):
