@@ -206,7 +206,10 @@ class RemoteStepProvider(ResourceProvider):
     def create(self, props: dict[str, Any]) -> CreateResult:
         return CreateResult(id_=uuid.uuid4().hex, outs=self._outs(props, self._exec(props, "apply")))
 
-    def update(self, _id: str, _olds: dict[str, Any], news: dict[str, Any]) -> UpdateResult:
+    def update(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> UpdateResult:
+        if olds.get("appliedDigest") == _digest(news):
+            # Only the connection changed (e.g. a rotated SSH key): record it, apply nothing.
+            return UpdateResult(outs={**news, "stdout": olds.get("stdout", ""), "appliedDigest": _digest(news)})
         return UpdateResult(outs=self._outs(news, self._exec(news, "apply")))
 
     def delete(self, _id: str, props: dict[str, Any]) -> None:
@@ -219,6 +222,8 @@ class RemoteStepProvider(ResourceProvider):
         if olds.get("appliedDigest") != _digest(news):
             changed.append("appliedDigest")
         conn_old, conn_new = olds.get("connection") or {}, news.get("connection") or {}
+        if conn_old != conn_new:
+            changed.append("connection")
         replaces = ["connection"] if (conn_old.get("host"), conn_old.get("port")) != (conn_new.get("host"), conn_new.get("port")) else []
         return DiffResult(changes=bool(changed or replaces), replaces=replaces, delete_before_replace=True,
                           stables=["stdout"] if not changed else [])

@@ -1,0 +1,143 @@
+"""The README's main job: the local test VM as a VPS, deployed with `pulumi up -s local`.
+
+Steps (each cached or idempotent, with progress on stderr):
+  1. the pinned vLLM CPU install and its wheelhouse (toolchain/vllm/install.sh)
+  2. the tiny random FIM model (toolchain/tinymodel/make_tiny_model.py)
+  3. the VM image with the vLLM venv pre-installed, a booted-RAM snapshot, and a fresh VM
+     restored from it (toolchain/testbed/vm.py)
+  4. the `local` stack's config: VM and model paths, two generated API keys as secrets
+     (kept in .work/Pulumi.local.yaml, outside version control)
+  5. `pulumi up -s local`, then the endpoint, the SLA report and the Continue.dev config
+
+The e2e tests import these functions, so the demo and the tests run one code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("FIMFLEET_CACHE", Path.home() / ".cache" / "fimfleet"))
+WORK = ROOT / ".work"
+VM_PY = ROOT / "toolchain" / "testbed" / "vm.py"
+VARIANT = "vllm"
+KEY_NAMES = ("alice", "bob")
+
+
+def say(msg: str) -> None:
+    print(f"fimfleet demo: {msg}", file=sys.stderr, flush=True)
+
+
+def run(argv, *, capture=True, check=True, env=None, timeout=None, input=None) -> str:
+    proc = subprocess.run([str(a) for a in argv], cwd=ROOT, text=True, env=env, timeout=timeout, input=input,
+                          stdout=subprocess.PIPE if capture else None, stderr=None)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"fimfleet demo: `{' '.join(map(str, argv))[:200]}` failed with exit {proc.returncode}")
+    return proc.stdout or ""
+
+
+def last_value(out: str, key: str) -> str:
+    for line in reversed(out.splitlines()):
+        if line.startswith(key + "="):
+            return line.split("=", 1)[1].strip()
+    raise SystemExit(f"fimfleet demo: no {key}= line in the output")
+
+
+def prepare() -> dict:
+    """vLLM venv + wheelhouse, tiny model. Returns their paths."""
+    say("vLLM CPU install (cached; the first run downloads about 3.5 GB)")
+    venv = last_value(run([ROOT / "toolchain/vllm/install.sh"]), "VLLM_VENV")
+    wheelhouse = last_value(run([ROOT / "toolchain/vllm/install.sh", "wheelhouse"]), "VLLM_WHEELHOUSE")
+    say("tiny FIM model (cached)")
+    model = last_value(run([f"{venv}/bin/python", ROOT / "toolchain/tinymodel/make_tiny_model.py"]), "TINY_MODEL_DIR")
+    return {"vllm_python": f"{venv}/bin/python", "wheelhouse": wheelhouse, "model_dir": model}
+
+
+def vm(*args, state: Path, **kw) -> dict:
+    out = run([sys.executable, VM_PY, *args, "--state", state], **kw)
+    return json.loads(out) if out.strip().startswith("{") else {}
+
+
+def start_vm(state: Path, wheelhouse: str) -> dict:
+    """A fresh VM from the vllm variant's RAM snapshot, with guest 443 forwarded to a free local port."""
+    env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
+           "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
+    say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
+    if (state / "qemu.pid").exists():
+        vm("stop", state=state, env=env, check=False)
+    return vm("restore", "--variant", VARIANT, "--forward", "443", state=state, env=env)
+
+
+def stop_vm(state: Path) -> None:
+    vm("stop", state=state, check=False)
+
+
+def fimfleet_pulumi(*args, capture=True, check=True, input=None, timeout=3600) -> str:
+    return run([ROOT / "fimfleet", "pulumi", *args], capture=capture, check=check, input=input, timeout=timeout)
+
+
+def stack_config(config_file: Path, state: Path, model_dir: str, extra: dict | None = None) -> Path:
+    """The local stack's config, with generated keys kept across runs."""
+    fresh = not config_file.exists()
+    if fresh:
+        config_file.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "stacks" / "Pulumi.local.yaml", config_file)
+    fimfleet_pulumi("stack", "select", "--create", "local")
+    cf = ["--config-file", str(config_file), "-s", "local"]
+    fimfleet_pulumi("config", "set", "--path", "fimfleet:host.testbedState", str(state), *cf)
+    fimfleet_pulumi("config", "set", "--path", "fimfleet:model.localPath", model_dir, *cf)
+    if fresh:
+        for name in KEY_NAMES:
+            fimfleet_pulumi("config", "set", "--secret", "--path", f"fimfleet:apiKeys.{name}",
+                            "fimfleet-" + secrets.token_urlsafe(24), *cf)
+    for k, v in (extra or {}).items():
+        fimfleet_pulumi("config", "set", "--path", k, str(v), *cf)
+    return config_file
+
+
+def up(config_file: Path, *extra: str, check=True) -> subprocess.CompletedProcess:
+    argv = [ROOT / "fimfleet", "pulumi", "up", "-s", "local", "--yes", "--non-interactive", "--skip-preview",
+            "--config-file", config_file, *extra]
+    return subprocess.run([str(a) for a in argv], cwd=ROOT, text=True, check=check)
+
+
+def outputs(config_file: Path, show_secrets=False) -> dict:
+    args = ["stack", "output", "-s", "local", "--json"] + (["--show-secrets"] if show_secrets else [])
+    return json.loads(fimfleet_pulumi(*args))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state", type=Path, default=CACHE / "testbed" / "vms" / "demo", help="the VM's state directory")
+    ap.add_argument("--config-file", type=Path, default=WORK / "Pulumi.local.yaml")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    paths = prepare()
+    info = start_vm(a.state, paths["wheelhouse"])
+    say(f"VM up: ssh -p {info['ssh']['port']} -i {info['ssh']['key']} root@127.0.0.1")
+    cfg = stack_config(a.config_file, a.state, paths["model_dir"])
+    say("pulumi up -s local (engine start under emulation takes several minutes)")
+    up(cfg)
+    out = outputs(cfg, show_secrets=True)
+    print(f"\nendpoint: {out['endpoint']}\nmodel:    {out['model']}\n")
+    print(out.get("slaReport", "(no SLA report)"))
+    print("\nContinue.dev config (~/.continue/config.yaml):\n")
+    print(out["continueConfigYaml"])
+    ca = WORK / "fimfleet-ca.pem"
+    ca.write_text(out["caPem"])
+    print(f"smoke test (CA in {ca}; export FIMFLEET_KEY from the config above):\n  "
+          + out["curlSmokeTest"].replace("fimfleet-ca.pem", str(ca)))
+    say(f"done in {time.monotonic() - t0:.0f} s; stop the VM with: python3 {VM_PY} stop --state {a.state}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

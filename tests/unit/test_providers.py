@@ -1,0 +1,89 @@
+"""fimfleet's own dynamic providers, called directly (under mocks they never run)."""
+
+import dill
+import pytest
+from cryptography import x509
+
+from components import remote, tls
+
+CONN = {"host": "203.0.113.10", "port": 22, "user": "root", "privateKey": "-----BEGIN OPENSSH PRIVATE KEY-----"}
+
+
+def props(**kw):
+    base = {"connection": CONN, "apply": "echo hi", "check": "true", "destroy": "", "files": [{"path": "/a", "content": "x"}],
+            "uploads": None, "env": {}, "triggers": ["t1"], "timeoutS": 60, "label": "step"}
+    base.update(kw)
+    return base
+
+
+def applied(p):
+    return {**p, "stdout": "hi", "appliedDigest": remote._digest(p)}
+
+
+def test_unchanged_step_has_no_diff():
+    p = props()
+    assert not remote.RemoteStepProvider().diff("id", applied(p), p).changes
+
+
+@pytest.mark.parametrize("change", [{"apply": "echo bye"}, {"files": [{"path": "/a", "content": "y"}]},
+                                    {"triggers": ["t2"]}, {"env": {"A": "1"}}, {"check": "false"}])
+def test_changed_content_is_an_update_not_a_replace(change):
+    d = remote.RemoteStepProvider().diff("id", applied(props()), props(**change))
+    assert d.changes and not d.replaces
+
+
+def test_new_host_replaces_the_step():
+    d = remote.RemoteStepProvider().diff("id", applied(props()), props(connection={**CONN, "host": "198.51.100.1"}))
+    assert d.changes and d.replaces == ["connection"]
+
+
+def test_rotated_key_is_recorded_without_running_the_step(monkeypatch):
+    provider = remote.RemoteStepProvider()
+    olds, news = applied(props()), props(connection={**CONN, "privateKey": "other"})
+    d = provider.diff("id", olds, news)
+    assert d.changes and not d.replaces
+    monkeypatch.setattr(provider, "_exec", lambda *a: pytest.fail("apply must not run for a key rotation"))
+    assert provider.update("id", olds, news).outs["connection"]["privateKey"] == "other"
+
+
+def test_drift_found_by_read_makes_the_next_diff_apply_again():
+    drifted = {**applied(props()), "appliedDigest": "drifted"}
+    assert remote.RemoteStepProvider().diff("id", drifted, props()).changes
+
+
+def test_unreachable_host_fails_with_a_clear_message():
+    from tests.helpers import ssh_key
+
+    t = remote.SshTarget(host="127.0.0.1", port=1, user="root", private_key=ssh_key(), connect_timeout_s=1)
+    with pytest.raises(ConnectionError, match=r"cannot reach root@127.0.0.1:1 over SSH.*fimfleet:host.address"):
+        remote.connect(t, retries=1)
+
+
+def test_bad_private_key_is_named():
+    with pytest.raises(ValueError, match="sshPrivateKey is not a usable private key"):
+        remote._pkey("-----BEGIN OPENSSH PRIVATE KEY-----\nnope\n-----END OPENSSH PRIVATE KEY-----\n")
+
+
+@pytest.mark.parametrize("provider", [remote.RemoteStepProvider(), tls.SelfSignedProvider()])
+def test_providers_pickle_without_state(provider):
+    clone = dill.loads(dill.dumps(provider, recurse=True))
+    assert type(clone).__name__ == type(provider).__name__ and vars(clone) == {}
+
+
+def test_self_signed_chain_verifies_and_names_match():
+    out = tls.SelfSignedProvider().create({"commonName": "code.example.com", "dnsNames": ["code.example.com", "localhost"],
+                                           "ipAddresses": ["127.0.0.1"]}).outs
+    ca = x509.load_pem_x509_certificate(out["caPem"].encode())
+    leaf = x509.load_pem_x509_certificates(out["certPem"].encode())[0]
+    leaf.verify_directly_issued_by(ca)
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["code.example.com", "localhost"]
+    assert "PRIVATE KEY" in out["keyPem"]
+
+
+def test_certificate_is_reissued_only_when_names_change():
+    p = tls.SelfSignedProvider()
+    olds = {"commonName": "a", "dnsNames": ["a"], "ipAddresses": [], "keyPem": "K"}
+    assert not p.diff("id", olds, {"commonName": "a", "dnsNames": ["a"], "ipAddresses": []}).changes
+    d = p.diff("id", olds, {"commonName": "a", "dnsNames": ["a", "b"], "ipAddresses": []})
+    assert d.changes and d.replaces == ["dnsNames"]
