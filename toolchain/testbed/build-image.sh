@@ -3,7 +3,12 @@
 # bookworm with systemd, openssh-server and the stock Debian kernel, booted by
 # vm.py with QEMU TCG and direct kernel boot.
 #
-#   build-image.sh [--variant NAME] [--force] [--print-dir] [--quiet]
+#   build-image.sh [--variant NAME] [--force] [--prune] [--print-dir] [--quiet]
+#
+#   --variant NAME  base (default) or variants/NAME.sh on top of the base rootfs
+#   --force         rebuild even if cached
+#   --prune         delete this variant's builds from older recipes (unless in use)
+#   --print-dir     only print the cache dir (exit 0 if built, 3 if not)
 #
 # Output: the image directory is printed as the LAST line of stdout; progress
 # goes to stderr. Everything is cached under
@@ -18,7 +23,11 @@
 # `apply` runs with /proc, /sys, /dev mounted in ROOTFS, apt's archive cache
 # bound, and a policy-rc.d that stops services from starting; use
 # `chroot "$ROOTFS" ...` for commands inside. A variant starts from a copy of
-# the cached base rootfs, so it never re-runs debootstrap.
+# the cached base rootfs, so it never re-runs debootstrap. Anything it mounts
+# below ROOTFS (e.g. a bind-mounted wheelhouse) is unmounted afterwards.
+#
+# Needs root, debootstrap, e2fsprogs (>= 1.43), qemu-utils; missing packages
+# are apt-get installed.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -43,6 +52,7 @@ PACKAGES=(
 
 VARIANT=base
 FORCE=0
+PRUNE=0
 PRINT_DIR=0
 QUIET=0
 
@@ -50,13 +60,14 @@ T0=$(date +%s)
 log() { [ "$QUIET" = 1 ] || printf '[testbed %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*" >&2; }
 die() { printf 'build-image.sh: error: %s\n' "$*" >&2; exit 1; }
 
-usage() { sed -n '2,22p' "$SELF" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$SELF"; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --variant) VARIANT="${2:?--variant needs a name}"; shift 2 ;;
     --variant=*) VARIANT="${1#*=}"; shift ;;
     --force) FORCE=1; shift ;;
+    --prune) PRUNE=1; shift ;;
     --print-dir) PRINT_DIR=1; shift ;;
     -q|--quiet) QUIET=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -94,8 +105,23 @@ if [ "$PRINT_DIR" = 1 ]; then
   echo "$OUT"
   [ -f "$OUT/manifest.json" ] && exit 0 || exit 3
 fi
+# Delete this variant's builds from older recipes, unless a running process
+# (a VM using it as kernel/backing file) still refers to them.
+prune() {
+  local d
+  for d in "$TB_CACHE/$VARIANT"-*; do
+    [ -d "$d" ] && [ "$d" != "$OUT" ] || continue
+    [[ "$(basename "$d")" =~ ^$VARIANT-[0-9a-f]{16}$ ]] || continue
+    if grep -qsF "$d/" /proc/[0-9]*/cmdline; then log "prune: keeping $d (in use)"; continue; fi
+    if awk -v p="$d/" 'index($2, p) == 1 { f = 1 } END { exit !f }' /proc/self/mounts; then
+      log "prune: keeping $d (has mounts)"; continue
+    fi
+    log "prune: deleting $d"; rm -rf "$d"
+  done
+}
 if [ "$FORCE" = 0 ] && [ -f "$OUT/manifest.json" ]; then
   log "image $KEY is cached: $OUT"
+  [ "$PRUNE" = 0 ] || prune
   echo "$OUT"
   exit 0
 fi
@@ -359,4 +385,5 @@ if [ -e "$OUT" ]; then mv "$OUT" "$WORK.old"; fi
 mv "$WORK" "$OUT"
 [ -e "$WORK.old" ] && { umount_all "$WORK.old"; rm -rf "$WORK.old"; }
 log "done in ${BUILD_SECONDS}s: $OUT ($(du -h "$OUT/rootfs.qcow2" | cut -f1) qcow2)"
+[ "$PRUNE" = 0 ] || prune
 echo "$OUT"
