@@ -451,7 +451,6 @@ pulumi.export("p99", chk.report.apply(lambda r: r["ttft_ms"]["p99"]))
 '''
 
 
-@pytest.mark.skipif(not PULUMI.exists(), reason="Pulumi toolchain not built (./fimfleet bootstrap)")
 @pytest.mark.timeout(300)
 def test_pulumi_up_gate_end_to_end(fake, tmp_path):
     """`pulumi up` with the real engine: pass, no re-run when unchanged, re-run on a new
