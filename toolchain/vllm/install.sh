@@ -88,6 +88,14 @@ if ! flock -n 9; then
   flock 9
 fi
 
+# A long step runs in the background (for the heartbeat); if this script is interrupted,
+# stop that child too so no pip keeps writing into the cache.
+child=""
+cleanup() { if [ -n "$child" ]; then kill "$child" 2>/dev/null || true; fi; }
+trap cleanup EXIT
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM
+
 # run_logged DESC CMD...: run CMD with output appended to install.log, printing a
 # heartbeat to stderr every 30 s so long steps show they are alive.
 run_logged() {
@@ -97,6 +105,7 @@ run_logged() {
   printf '\n=== %s: %s\n' "$(date -Is)" "$*" >>"$install_log"
   "$@" >>"$install_log" 2>&1 &
   pid=$!
+  child=$pid
   while kill -0 "$pid" 2>/dev/null; do
     for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
     if kill -0 "$pid" 2>/dev/null; then
@@ -104,6 +113,7 @@ run_logged() {
     fi
   done
   wait "$pid" || rc=$?
+  child=""
   if [ "$rc" -ne 0 ]; then
     tail -n 15 "$install_log" >&2
     die "$desc failed (exit $rc); full log: $install_log"
