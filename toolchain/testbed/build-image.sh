@@ -93,10 +93,14 @@ key_material() {
   printf 'variant %s\n' "$VARIANT"
   if [ -n "$VARIANT_SCRIPT" ]; then
     printf 'variant-script %s\n' "$(sha <"$VARIANT_SCRIPT")"
-    printf 'variant-key %s\n' "$(bash "$VARIANT_SCRIPT" key | sha)" \
-      || die "variant '$VARIANT': '$VARIANT_SCRIPT key' failed"
+    printf 'variant-key %s\n' "$(printf '%s' "$VARIANT_KEY" | sha)"
   fi
 }
+VARIANT_KEY=""
+if [ -n "$VARIANT_SCRIPT" ]; then
+  VARIANT_KEY="$(TESTBED_DIR="$HERE" FIMFLEET_CACHE="$CACHE_ROOT" bash "$VARIANT_SCRIPT" key)" \
+    || die "variant '$VARIANT': '$VARIANT_SCRIPT key' failed (exit $?)"
+fi
 KEY_MATERIAL="$(key_material)"
 KEY="$VARIANT-$(printf '%s' "$KEY_MATERIAL" | sha | cut -c1-16)"
 OUT="$TB_CACHE/$KEY"

@@ -11,6 +11,7 @@ Subcommands (all print JSON on stdout; progress goes to stderr):
   status    JSON description of the VM (running or not)
   stop      stop the VM by its pidfile and delete its overlay
   check     run the guest self-checks (systemd, sysctl, THP, avx2, apt)
+  hmp       run a QEMU human-monitor command (e.g. 'info status')
 
 All state of one VM lives in one directory (--state DIR, default
 $FIMFLEET_CACHE/testbed/vms/<--name>): overlay disk.qcow2, id_ed25519 (the
@@ -502,8 +503,11 @@ def parse_forwards(specs: list[str]) -> list[tuple[int, int]]:
 
 def snapshot_dir(image: str, mem: str, smp: int) -> str:
     manifest = load_json(os.path.join(image, "manifest.json"))
-    sig = "\n".join([MACHINE_LAYOUT, qemu_version(), manifest["key"], str(mem_mib(mem)), str(smp),
-                     CPU_MODEL, KERNEL_ARGS])
+    # The QEMU command line with per-VM paths and ports fixed: any change to the
+    # machine layout (devices, cpu, memory) gives a different snapshot.
+    layout = VM("/fimfleet-layout")._qemu_argv(image, manifest, mem, smp, [(1, 22)], KERNEL_ARGS,
+                                               None)
+    sig = "\n".join([MACHINE_LAYOUT, qemu_version(), manifest["key"], json.dumps(layout)])
     h = hashlib.sha256(sig.encode()).hexdigest()[:12]
     return os.path.join(image, "snapshots", f"{mem_mib(mem)}M-{smp}cpu-{h}")
 
@@ -604,7 +608,23 @@ def make_snapshot(variant: str, mem: str, smp: int, force: bool = False) -> dict
         os.rename(tmp, sdir)
         log(f"snapshot: saved {snap['mem_state_bytes'] / 2**20:.0f} MiB RAM state in "
             f"{save_s:.1f}s: {sdir}")
+        prune_snapshots(sdir)
         return snap
+
+
+def prune_snapshots(keep: str) -> None:
+    """Delete snapshots of the same size made by an older machine layout, unless in use."""
+    parent, name = os.path.split(keep)
+    prefix = name.rsplit("-", 1)[0] + "-"
+    in_use = ""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        in_use += pid_cmdline(int(pid)) + "\n"
+    for other in os.listdir(parent):
+        path = os.path.join(parent, other)
+        if (other.startswith(prefix) and path != keep and os.path.isdir(path)
+                and "." not in other and path + "/" not in in_use):
+            log(f"snapshot: deleting stale {path}")
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def restore(vm: VM, variant: str, mem: str, smp: int, forwards: list[str],
@@ -816,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
             emit(vm.status())
         elif a.cmd == "ssh":
             cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+            if not vm.running():
+                raise TestbedError(f"the VM in {vm.state} is not running")
             argv = vm.ssh_argv()
             if not cmd and sys.stdin.isatty():
                 argv.insert(1, "-t")
