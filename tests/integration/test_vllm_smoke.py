@@ -86,7 +86,7 @@ def vllm_server(vllm_python: str, tiny_model: Path, tmp_path_factory):
         PYTHONWARNINGS="ignore::DeprecationWarning",
     )
     cmd = [
-        vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+        vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry",
         "--model", str(tiny_model), "--served-model-name", SERVED,
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048",

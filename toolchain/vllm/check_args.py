@@ -16,7 +16,8 @@ Checks, in order (the parse itself takes milliseconds):
    parses the args; argparse errors (unknown flag, bad choice, bad int, ambiguous
    prefix) are returned as text instead of exiting.
 2. `validate_parsed_serve_args(ns)` (vLLM's own pre-start checks).
-3. `AsyncEngineArgs.from_cli_args(ns)`: works with no model present.
+3. `AsyncEngineArgs.from_cli_args(ns)` when --model is a local directory (for a Hub id it
+   would look the model up, which an offline check cannot).
 4. Every VLLM_* variable in "env" must be one vLLM knows (`vllm.envs.environment_variables`;
    vLLM itself only logs "Unknown vLLM environment variable detected"), and its value must
    parse with vLLM's own getter.
@@ -94,9 +95,11 @@ def check(args: list[str], env: dict[str, str] | None = None, deep: bool = False
     try:
         ns = make_arg_parser(_Parser(prog="vllm serve")).parse_args(list(args))
         validate_parsed_serve_args(ns)
-        engine_args = AsyncEngineArgs.from_cli_args(ns)
-        if deep:
-            engine_args.create_engine_config()
+        # from_cli_args resolves a Hub id's files; offline that only works for a local directory.
+        if deep or os.path.isdir(str(getattr(ns, "model", "") or "")):
+            engine_args = AsyncEngineArgs.from_cli_args(ns)
+            if deep:
+                engine_args.create_engine_config()
     except ArgError as e:
         errors.append(f"argparse: {e}")
     except Exception as e:  # noqa: BLE001 - report vLLM's own validation text
