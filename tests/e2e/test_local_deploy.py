@@ -1,0 +1,198 @@
+"""End to end: the real Pulumi CLI deploys the `local` stack onto a fresh test VM.
+
+One VM and one stack for the module, steps in order (each names what failed and where):
+up → live kernel values → ingress keys/streaming/ACLs → monitor → no-op second up →
+drift repaired by `up --refresh` → impossible SLA fails and the node keeps serving →
+destroy restores the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from components import config as fconfig
+from components import kernel, remote
+from scripts import local_deploy as ld
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
+
+
+class Node:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.state = tmp / "vm"
+        self.config_file = tmp / "Pulumi.local.yaml"
+        self.up_seconds = None
+
+    def ssh(self, script: str, timeout=120) -> tuple[int, str, str]:
+        info = json.loads((self.state / "info.json").read_text())
+        t = remote.SshTarget(host=info["ssh"]["host"], port=info["ssh"]["port"], user="root",
+                             private_key=Path(info["ssh"]["key"]).read_text())
+        client = remote.connect(t)
+        try:
+            return remote.run(client, script, timeout_s=timeout)
+        finally:
+            client.close()
+
+    def outputs(self, secrets=False) -> dict:
+        return ld.outputs(self.config_file, show_secrets=secrets)
+
+    def pulumi(self, *args, check=False) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ld.ROOT / "fimfleet"), "pulumi", *args, "-s", "local", "--non-interactive",
+                               "--config-file", str(self.config_file)], cwd=ld.ROOT, capture_output=True, text=True,
+                              timeout=3600, check=check)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    n = Node(tmp_path_factory.mktemp("e2e"))
+    paths = ld.prepare()
+    ld.start_vm(n.state, paths["wheelhouse"])
+    n.model_dir = paths["model_dir"]
+    ld.stack_config(n.config_file, n.state, paths["model_dir"])
+    t0 = time.monotonic()
+    proc = n.pulumi("up", "--yes", "--skip-preview")
+    n.up_seconds = time.monotonic() - t0
+    n.first_up = proc
+    yield n
+    n.pulumi("destroy", "--yes")
+    ld.stop_vm(n.state)
+
+
+def keys(node) -> dict[str, str]:
+    raw = node.pulumi("config", "--show-secrets", "--json", check=True).stdout
+    return json.loads(json.loads(raw)["fimfleet:apiKeys"]["value"])
+
+
+def client(node) -> httpx.Client:
+    out = node.outputs()
+    ca = node.tmp / "ca.pem"
+    ca.write_text(out["caPem"])
+    return httpx.Client(base_url=out["endpoint"], verify=str(ca), timeout=120)
+
+
+def test_01_up_succeeds_with_an_sla_report(node):
+    assert node.first_up.returncode == 0, f"pulumi up failed:\n{node.first_up.stdout[-8000:]}\n{node.first_up.stderr[-3000:]}"
+    out = node.outputs()
+    assert out["slaPassed"] is True
+    assert "TTFT" in out["slaReport"] or "ttft" in out["slaReport"]
+    (ld.ROOT / ".work").mkdir(exist_ok=True)
+    (ld.ROOT / ".work" / "e2e-first-up-seconds").write_text(f"{node.up_seconds:.0f}\n")
+
+
+def test_02_kernel_settings_are_live(node):
+    raw = json.loads(node.pulumi("config", "--json", check=True).stdout)
+    code, out, err = node.ssh("sysctl -a 2>/dev/null; for f in enabled defrag khugepaged/defrag; do "
+                              "echo thp.$f = $(cat /sys/kernel/mm/transparent_hugepage/$f); done; "
+                              "cat /etc/security/limits.d/90-fimfleet.conf")
+    assert code == 0, err
+    live = {}
+    for line in out.splitlines():
+        if " = " in line:
+            k, v = line.split(" = ", 1)
+            live[k.strip()] = " ".join(v.split())
+    cfg = fconfig.parse(_short(raw) | {"apiKeys": {"a": "x" * 30}, "sshPrivateKey": "-----BEGIN OPENSSH PRIVATE KEY-----"},
+                        frozenset({"apiKeys", "sshPrivateKey"}))
+    wrong = {k: (v, live.get(k)) for k, v in kernel.tuned_sysctl(cfg).items() if live.get(k) != v}
+    assert not wrong, f"sysctl values on the VM differ (wanted, live): {wrong}"
+    assert "[madvise]" in live["thp.enabled"] and "[madvise]" in live["thp.defrag"]
+    assert live["thp.khugepaged/defrag"] == "0"
+    assert re.search(r"\*\s+hard\s+memlock\s+unlimited", out)
+
+
+def _short(raw_config: dict) -> dict:
+    out = {}
+    for k, v in raw_config.items():
+        if k.startswith("fimfleet:") and not v.get("secret"):
+            out[k.split(":", 1)[1]] = v.get("objectValue", v.get("value"))
+    return out
+
+
+def test_03_ingress_keys_streaming_and_acls(node):
+    with client(node) as c:
+        body = {"model": node.outputs()["model"], "prompt": "<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>",
+                "max_tokens": 4, "temperature": 0, "stream": True}
+        assert c.post("/v1/completions", json=body).status_code == 401
+        assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong-key-0123456789abcdef"}).status_code == 401
+        for name, key in keys(node).items():
+            with c.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status_code == 200, f"key {name}: {r.status_code}"
+                chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+            assert len(chunks) >= 2, f"key {name}: expected streamed chunks, got {chunks}"
+        # Through the VM's user-mode network the request comes from 10.0.2.2, not loopback.
+        assert c.get("/metrics", headers={"Authorization": f"Bearer {next(iter(keys(node).values()))}"}).status_code == 403
+
+
+def test_04_monitor_timer_active_and_last_probe_ok(node):
+    deadline = time.monotonic() + 240
+    while True:
+        code, out, _ = node.ssh("systemctl is-active fimfleet-monitor-node.timer; cat /run/fimfleet/monitor-vllm-node/last 2>/dev/null || true")
+        if code == 0 and " ok" in out:
+            break
+        assert time.monotonic() < deadline, f"monitor timer not active or last probe not ok: {out}"
+        time.sleep(10)
+
+
+def _ssh_logins(node) -> int:
+    _, out, _ = node.ssh("journalctl -u ssh --no-pager -o cat | grep -c 'Accepted publickey' || true")
+    return int(out.strip() or 0)
+
+
+def test_05_second_up_changes_nothing_and_runs_no_remote_command(node):
+    before = _ssh_logins(node)
+    proc = node.pulumi("preview", "--expect-no-changes")
+    assert proc.returncode == 0, f"preview found changes:\n{proc.stdout[-5000:]}"
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    assert proc.returncode == 0 and "unchanged" in proc.stdout, proc.stdout[-5000:]
+    assert not re.search(r"\bupdated\b|\bcreated\b", proc.stdout), proc.stdout[-5000:]
+    after = _ssh_logins(node)
+    assert after == before + 1, f"a no-op up opened {after - before - 1} SSH session(s) on the VM"
+
+
+def test_06_hand_made_drift_is_found_and_repaired(node):
+    code, _, err = node.ssh("sysctl -w vm.swappiness=60 >/dev/null")
+    assert code == 0, err
+    proc = node.pulumi("up", "--refresh", "--yes", "--skip-preview")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert "node-kernel-apply" in proc.stdout
+    _, out, _ = node.ssh("sysctl -n vm.swappiness")
+    assert out.strip() == "1", f"vm.swappiness not repaired: {out}"
+
+
+def test_07_impossible_sla_fails_up_and_node_keeps_serving(node):
+    for k in ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms"):
+        node.pulumi("config", "set", "--path", f"fimfleet:sla.{k}", "0.001", check=True)
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, "an impossible SLA did not fail pulumi up"
+    assert "ttft" in text.lower() and "0.001" in text, text[-5000:]
+    with client(node) as c:
+        key = next(iter(keys(node).values()))
+        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>",
+                         "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    for k in ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms"):
+        node.pulumi("config", "rm", "--path", f"fimfleet:sla.{k}", check=True)
+
+
+def test_08_destroy_removes_what_fimfleet_installed(node):
+    _, before, _ = node.ssh("cat /var/lib/fimfleet/kernel/defaults.conf")
+    default_swappiness = re.search(r"^vm.swappiness = (\d+)", before, re.M).group(1)
+    proc = node.pulumi("destroy", "--yes")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    code, out, _ = node.ssh(
+        "sysctl -n vm.swappiness; ls /etc/sysctl.d/90-fimfleet.conf /etc/systemd/system/vllm-node.service "
+        "/etc/systemd/system/fimfleet-monitor-node.timer 2>&1 | grep -c 'No such file'; "
+        "systemctl is-active vllm-node.service || true")
+    lines = out.split()
+    assert lines[0] == default_swappiness, f"swappiness {lines[0]} != distribution default {default_swappiness}"
+    assert lines[1] == "3", f"fimfleet files left behind: {out}"
+    assert lines[2] in ("inactive", "unknown"), out
