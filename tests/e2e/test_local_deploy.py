@@ -53,6 +53,9 @@ class Node:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     n = Node(tmp_path_factory.mktemp("e2e"))
+    # Its own Pulumi state, so a demo deployment on this machine is never touched.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FIMFLEET_BACKEND_URL", f"file://{n.tmp / 'state'}")
     paths = ld.prepare()
     ld.start_vm(n.state, paths["wheelhouse"])
     n.model_dir = paths["model_dir"]
@@ -64,6 +67,7 @@ def node(tmp_path_factory):
     yield n
     n.pulumi("destroy", "--yes")
     ld.stop_vm(n.state)
+    mp.undo()
 
 
 def keys(node) -> dict[str, str]:

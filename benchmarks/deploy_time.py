@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Deploy-time benchmark: fimfleet's `pulumi up` against the same steps as a plain runbook.
+
+Run in one invocation, side by side, on this machine:
+  A. `pulumi up -s local` onto a fresh test VM (the demo's code path), wall time;
+  B. the same remote steps replayed as a sequential shell runbook (one SSH connection,
+     files uploaded, scripts run in dependency order, no Pulumi) onto another fresh VM,
+     taken from A's own state, so both do exactly the same work;
+  C. a no-op `pulumi up` of the deployed stack against `pulumi up` of an empty Python
+     program with the same CLI (median of 3, alternating).
+Ratios are what matters here: the machine is noisy. Results go to benchmarks/results/.
+
+    .venv/bin/python benchmarks/deploy_time.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from components import remote  # noqa: E402
+from scripts import local_deploy as ld  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "deploy_time.json"
+
+
+def timed(fn, *a, **kw):
+    t0 = time.monotonic()
+    out = fn(*a, **kw)
+    return time.monotonic() - t0, out
+
+
+def pulumi(config_file: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "fimfleet"), "pulumi", *args, "-s", "local", "--non-interactive",
+                           "--config-file", str(config_file)], cwd=ROOT, capture_output=True, text=True, check=True)
+
+
+def runbook_steps(config_file: Path) -> list[dict]:
+    """The RemoteSteps of the deployed stack, in the order Pulumi created them."""
+    state = json.loads(pulumi(config_file, "stack", "export", "--show-secrets").stdout)
+    steps = [r["outputs"] for r in state["deployment"]["resources"]
+             if r["type"] == "pulumi-python:dynamic:Resource" and "apply" in r.get("outputs", {})]
+    return steps
+
+
+def replay(steps: list[dict], state_dir: Path) -> None:
+    info = json.loads((state_dir / "info.json").read_text())
+    target = remote.SshTarget(host="127.0.0.1", port=info["ssh"]["port"], user="root",
+                              private_key=Path(info["ssh"]["key"]).read_text())
+    client = remote.connect(target)
+    try:
+        for s in steps:
+            if s.get("files"):
+                remote.put_files(client, s["files"])
+            for up in s.get("uploads") or ():
+                remote.put_dir(client, up["local"], up["remote"])
+            code, _, err = remote.run(client, s["apply"], timeout_s=3600, env=s.get("env"))
+            if code:
+                raise SystemExit(f"runbook step {s.get('label')} failed: {err[-2000:]}")
+    finally:
+        client.close()
+
+
+def empty_program_up(tmp: Path) -> float:
+    proj = tmp / "empty"
+    proj.mkdir(exist_ok=True)
+    (proj / "Pulumi.yaml").write_text("name: empty\nruntime:\n  name: python\n  options:\n"
+                                      f"    virtualenv: {ROOT / '.venv'}\n")
+    (proj / "__main__.py").write_text("import pulumi\npulumi.export('ok', True)\n")
+    env_cmd = [str(ROOT / "fimfleet"), "pulumi"]
+    subprocess.run(env_cmd + ["stack", "select", "--create", "bench-empty", "--cwd", str(proj)], check=True,
+                   capture_output=True)
+    t, _ = timed(subprocess.run, env_cmd + ["up", "--yes", "--skip-preview", "--non-interactive", "-s", "bench-empty",
+                                            "--cwd", str(proj)], check=True, capture_output=True)
+    return t
+
+
+def main() -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="fimfleet-bench-"))
+    os.environ["FIMFLEET_BACKEND_URL"] = f"file://{tmp / 'state'}"  # never the demo's stack
+    paths = ld.prepare()
+    cfg_a, vm_a, vm_b = tmp / "Pulumi.local.yaml", tmp / "vm-a", tmp / "vm-b"
+    try:
+        ld.start_vm(vm_a, paths["wheelhouse"])
+        ld.stack_config(cfg_a, vm_a, paths["model_dir"])
+        t_pulumi, _ = timed(ld.up, cfg_a)
+        steps = runbook_steps(cfg_a)
+        ld.start_vm(vm_b, paths["wheelhouse"])
+        t_runbook, _ = timed(replay, steps, vm_b)
+        ld.stop_vm(vm_b)
+        noop, empty = [], []
+        for _ in range(3):
+            noop.append(timed(pulumi, cfg_a, "up", "--yes", "--skip-preview")[0])
+            empty.append(empty_program_up(tmp))
+        result = {
+            "pulumi_up_fresh_vm_s": round(t_pulumi, 1),
+            "runbook_fresh_vm_s": round(t_runbook, 1),
+            "ratio_pulumi_over_runbook": round(t_pulumi / t_runbook, 3),
+            "runbook_steps": [s.get("label") for s in steps],
+            "noop_up_s": [round(x, 2) for x in noop],
+            "empty_program_up_s": [round(x, 2) for x in empty],
+            "ratio_noop_over_empty_median": round(statistics.median(noop) / statistics.median(empty), 3),
+            "note": "pulumi up includes the SLA check (a probe through nginx); the runbook replays only the "
+                    "remote steps, so the ratio bounds fimfleet's own overhead from above.",
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    finally:
+        subprocess.run([str(ROOT / "fimfleet"), "pulumi", "destroy", "--yes", "-s", "local", "--non-interactive",
+                        "--config-file", str(cfg_a)], cwd=ROOT, capture_output=True)
+        ld.stop_vm(vm_a)
+        ld.stop_vm(vm_b)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
