@@ -2,11 +2,22 @@
 # fimfleet deep probe: one real one-token FIM completion through the local ingress, with a key
 # and a hard timeout. /health stays 200 while an engine hangs; this does not.
 # Usage: fim-probe.sh ENV_FILE   (PROBE_URL, PROBE_KEY_FILE, PROBE_CA, MODEL, PROBE_TIMEOUT_S)
+# Exit: 0 = a completion came back; 1 = no answer, an error or no completion (engine or
+# ingress trouble); 3 = the ingress REJECTED the probe (HTTP 401/403: wrong probe key or
+# ACL). A restart cannot fix 3, so recover.sh reports it and leaves the engine alone.
 set -euo pipefail
 # shellcheck disable=SC1090
 source "$1"
 body=$(printf '{"model": "%s", "prompt": "<|fim_prefix|>def probe_%s(x):\\n    return <|fim_suffix|>\\n<|fim_middle|>", "max_tokens": 1, "temperature": 0}' "$MODEL" "$(date +%s%N)")
-out=$(curl -sS --fail-with-body -m "$PROBE_TIMEOUT_S" --cacert "$PROBE_CA" \
+rc=0
+out=$(curl -sS -m "$PROBE_TIMEOUT_S" --cacert "$PROBE_CA" -w '\n%{http_code}' \
   -H "Authorization: Bearer $(cat "$PROBE_KEY_FILE")" -H 'Content-Type: application/json' \
-  -d "$body" "$PROBE_URL/v1/completions") || { echo "probe failed: ${out:-no answer within ${PROBE_TIMEOUT_S}s}" >&2; exit 1; }
+  -d "$body" "$PROBE_URL/v1/completions") || rc=$?
+status=${out##*$'\n'}; out=${out%$'\n'*}
+[ "$rc" -eq 0 ] || { echo "probe failed: curl exit $rc, no answer within ${PROBE_TIMEOUT_S}s" >&2; exit 1; }
+case "$status" in
+  200) ;;
+  401|403) echo "probe rejected with HTTP $status (configuration error: probe key or ACL; an engine restart cannot fix it): ${out:0:200}" >&2; exit 3 ;;
+  *) echo "probe failed: HTTP $status: ${out:0:200}" >&2; exit 1 ;;
+esac
 case "$out" in *'"choices"'*) exit 0 ;; *) echo "probe got no completion: ${out:0:200}" >&2; exit 1 ;; esac

@@ -4,6 +4,7 @@
 # does not bring it back it SIGKILLs that engine's processes only (its unit's cgroup or its
 # container, never a name pattern) and clears that engine's stale shared memory.
 # Usage: recover.sh ENV_FILE   (ENGINE_UNIT, CONTAINER, SERVICE_USER, FAILURE_THRESHOLD, GRACE_S, + probe vars)
+# Exit: 0 = probe ok, or a failure was counted/handled; 3 = configuration error (see fim-probe.sh).
 set -uo pipefail
 # shellcheck disable=SC1090
 source "$1"
@@ -13,11 +14,19 @@ log() { echo "$*"; logger -t fimfleet-monitor -- "$ENGINE_UNIT: $*" 2>/dev/null 
 now=$(date +%s)
 failures=$(cat "$state/failures" 2>/dev/null || echo 0)
 
-if "$(dirname "$0")/fim-probe.sh" "$1" 2>"$state/last-error"; then
+rc=0; "$(dirname "$0")/fim-probe.sh" "$1" 2>"$state/last-error" || rc=$?
+if [ "$rc" -eq 0 ]; then
   [ "$failures" -gt 0 ] && log "probe ok again after $failures failure(s)"
   echo 0 > "$state/failures"; echo "$now ok" > "$state/last"
   rm -f "$state/restarted-at" "$state/stage"
   exit 0
+fi
+# The ingress rejected the probe's key (401/403): a configuration error that no restart
+# fixes. Report it (the round fails) and leave the engine and the failure count alone.
+if [ "$rc" -eq 3 ]; then
+  echo "$now config-error $(head -c 300 "$state/last-error")" > "$state/last"
+  log "configuration error, NOT restarting $ENGINE_UNIT: $(head -c 200 "$state/last-error")"
+  exit 3
 fi
 echo "$now fail $(head -c 300 "$state/last-error")" > "$state/last"
 
