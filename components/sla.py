@@ -82,14 +82,12 @@ __all__ = [
 
 DEFAULT_STOP: tuple[str, ...] = (
     "<|endoftext|>",
+    "<|file_sep|>",
     "<|fim_prefix|>",
     "<|fim_suffix|>",
-    "<|fim_middle|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
 )
-"""Stop strings for Qwen2.5-Coder FIM: end of text and any FIM/repo special token."""
+"""Stop strings for Qwen2.5-Coder FIM: end of text, or the model starting another file or FIM
+frame. The OpenAI schema that vLLM enforces allows at most 4 stop strings (a 5th is HTTP 400)."""
 
 PERCENTILE_METHOD = "nearest-rank"
 USER_AGENT = "fimfleet-sla-probe/1"

@@ -149,6 +149,11 @@ class _Handler(BaseHTTPRequestHandler):
             if not any(auth == f"Bearer {k}" for k in cfg.api_keys):
                 self._json(401, {"error": "Unauthorized"})
                 return
+        stop = body.get("stop")
+        if isinstance(stop, list) and len(stop) > 4:  # vLLM's OpenAI schema: at most 4 stop strings
+            self._json(400, {"error": {"message": "body.stop: List should have at most 4 items after validation",
+                                       "type": "BadRequestError", "code": 400}})
+            return
         if body.get("model") != cfg.model:
             self._json(404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
                                        "type": "NotFoundError", "code": 404}})
