@@ -70,9 +70,13 @@ def start_vm(state: Path, wheelhouse: str) -> dict:
     """A fresh VM from the vllm variant's RAM snapshot, with guest 443 forwarded to a free local port."""
     env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
+    if (state / "info.json").exists():
+        status = vm("status", state=state, check=False)
+        if status.get("running") and status.get("variant") == VARIANT and "443" in status.get("ports", {}):
+            # The deployed node lives on this VM: a rerun converges on it instead of starting over.
+            say(f"reusing the running test VM in {state}")
+            return status
     say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
-    if (state / "qemu.pid").exists():
-        vm("stop", state=state, env=env, check=False)
     return vm("restore", "--variant", VARIANT, "--forward", "443", state=state, env=env)
 
 
