@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 

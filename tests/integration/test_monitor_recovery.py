@@ -55,8 +55,6 @@ from test_nginx_ingress import Nginx, free_port, make_tls  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(420)]
 
-INSTALL = REPO / "toolchain" / "vllm" / "install.sh"
-MAKE_MODEL = REPO / "toolchain" / "tinymodel" / "make_tiny_model.py"
 MONITOR_FILES = REPO / "files" / "monitor"
 SHIM = HERE / "systemctl_shim.py"
 SERVED = "tiny-qwen2-fim"
@@ -76,31 +74,6 @@ RESULTS: dict[str, dict] = {}
 
 
 # ----------------------------------------------------------------------- fixtures
-
-
-def _value(out: str, key: str) -> str:
-    for line in reversed(out.splitlines()):
-        if line.startswith(key + "="):
-            return line.split("=", 1)[1]
-    raise AssertionError(f"no {key}= line in:\n{out[-2000:]}")
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    py = os.environ.get("FIMFLEET_VLLM_PYTHON")
-    if not py:
-        r = subprocess.run(["bash", str(INSTALL), "path"], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        py = str(Path(_value(r.stdout, "VLLM_VENV")) / "bin" / "python")
-    assert os.access(py, os.X_OK), f"no vLLM python at {py}: run toolchain/vllm/install.sh"
-    return py
-
-
-@pytest.fixture(scope="module")
-def tiny_model(vllm_python) -> Path:
-    r = subprocess.run([vllm_python, str(MAKE_MODEL)], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Path(_value(r.stdout, "TINY_MODEL_DIR"))
 
 
 @dataclass

@@ -8,7 +8,6 @@ never contacted: preview runs no remote step.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path

@@ -1,0 +1,73 @@
+"""The SLA gate against a REAL vLLM engine behind the REAL nginx ingress.
+
+The FimSlaCheck provider's create runs the streaming FIM probe through TLS with a named key:
+a generous SLA passes, an impossible one (p99 TTFT under 1 ms) fails with the report, and a
+stalled engine (SIGSTOP) fails within the bounded timeouts instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from components import sla
+from tests.integration.conftest import API_KEY, SERVED
+from tests.integration.test_nginx_ingress import Nginx, make_tls
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+KEY = "sk-fimfleet-sla-probe-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def ingress(vllm_server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sla-ingress")
+    tls = make_tls(root)
+    port = int(vllm_server["base"].rsplit(":", 1)[1])
+    nginx = Nginx(root / "nginx", tls, port, api_keys={"probe": KEY}, upstream_api_key=API_KEY,
+                  rate_per_second=100, burst=100).start()
+    try:
+        yield {"endpoint": nginx.url("").rstrip("/"), "ca": tls.ca.read_text(), "pid": vllm_server["pid"]}
+    finally:
+        nginx.stop()
+
+
+def props(ingress, **thresholds):
+    return {"endpoint": ingress["endpoint"], "api_key": KEY, "ca_pem": ingress["ca"], "model": SERVED,
+            "trigger": "t1", "thresholds": thresholds, "samples": 8, "warmup": 2, "max_tokens": 8}
+
+
+def test_generous_sla_passes_through_nginx(ingress):
+    out = sla.FimSlaCheckProvider().create(props(ingress, ttft_p99_ms=5000, min_decode_tokens_per_s=1)).outs
+    report = out["report"]
+    assert out["passed"] is True
+    assert report["ttft_ms"]["p50"] > 0 and report["error_rate"] == 0
+    assert report["decode_tokens_per_s"]["p50"] > 1
+    assert KEY not in repr(out)
+    print(f"\nreal vLLM through nginx: {out['summary']}")
+
+
+def test_impossible_sla_fails_with_the_report(ingress):
+    with pytest.raises(sla.SlaViolationError) as err:
+        sla.FimSlaCheckProvider().create(props(ingress, ttft_p50_ms=0.001, ttft_p95_ms=0.001, ttft_p99_ms=0.001))
+    text = str(err.value)
+    assert "ttft_p99_ms" in text and "0.001" in text and "FAIL" in text
+    assert KEY not in text
+
+
+def test_stalled_engine_fails_within_bounds(ingress):
+    p = props(ingress, ttft_p99_ms=5000)
+    p.update(samples=3, warmup=0, probe_options={"request_timeout_s": 4, "read_timeout_s": 3, "max_consecutive_errors": 2})
+    os.killpg(ingress["pid"], signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(sla.SlaViolationError) as err:
+            sla.FimSlaCheckProvider().create(p)
+    finally:
+        os.killpg(ingress["pid"], signal.SIGCONT)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 30, f"a stalled engine held the probe for {elapsed:.0f}s"
+    assert "error" in str(err.value).lower()
