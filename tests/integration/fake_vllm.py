@@ -326,63 +326,19 @@ def make_test_pki(directory: str, hostnames: tuple[str, ...] = ("localhost",),
 
     Keys: ``ca_pem`` (PEM text), ``ca_file``, ``cert_file``, ``key_file``, ``cert_pem``.
     """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from components.tls import issue
 
-    now = _dt.datetime.now(_dt.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fimfleet test CA")])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name).issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _dt.timedelta(minutes=5))
-        .not_valid_after(now + _dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    san = [x509.DNSName(h) for h in hostnames] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostnames[0])]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _dt.timedelta(minutes=5))
-        .not_valid_after(now + _dt.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(san), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                       critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    ca_pem = ca_cert.public_bytes(pem).decode()
-    cert_pem = cert.public_bytes(pem).decode()
+    pems = issue(hostnames[0], list(hostnames), list(ips), days=1)
     paths = {
         "ca_file": os.path.join(directory, "ca.pem"),
         "cert_file": os.path.join(directory, "server.pem"),
         "key_file": os.path.join(directory, "server.key"),
     }
-    with open(paths["ca_file"], "w") as fh:
-        fh.write(ca_pem)
-    with open(paths["cert_file"], "w") as fh:
-        fh.write(cert_pem)
-    with open(paths["key_file"], "wb") as fh:
-        fh.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                   serialization.NoEncryption()))
+    for key, name in (("caPem", "ca_file"), ("certPem", "cert_file"), ("keyPem", "key_file")):
+        with open(paths[name], "w") as fh:
+            fh.write(pems[key])
     os.chmod(paths["key_file"], 0o600)
-    return {**paths, "ca_pem": ca_pem, "cert_pem": cert_pem}
+    return {**paths, "ca_pem": pems["caPem"], "cert_pem": pems["certPem"]}
 
 
 def make_self_signed(directory: str, ip: str = "127.0.0.1") -> dict[str, str]:
