@@ -125,7 +125,12 @@ func (h *host) Run(ctx context.Context, req *pulumirpc.RunRequest) (*pulumirpc.R
 	}
 	args = append(args, req.GetArgs()...)
 
-	config, err := json.Marshal(req.GetConfig())
+	// A stack without config must still send "{}": the SDK calls .items() on the decoded value.
+	cfg := req.GetConfig()
+	if cfg == nil {
+		cfg = map[string]string{}
+	}
+	config, err := json.Marshal(cfg)
 	if err != nil {
 		return nil, err
 	}
