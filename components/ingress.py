@@ -13,6 +13,7 @@ import pulumi
 
 from components import templates
 from components.config import StackConfig
+from components.host import testbed_forwards
 from components.ingress_render import IngressSpec, ingress_install_plan
 from components.remote import RemoteStep
 from components.tls import SelfSignedCertificate
@@ -70,8 +71,6 @@ class NginxIngress(pulumi.ComponentResource):
         i = cfg.ingress
         conn = pulumi.Output.from_input(connection)
         if cfg.host.kind == "local-vm":
-            from components.host import testbed_forwards
-
             fwd = testbed_forwards(cfg.host.testbed_state)
             host_name, port = "127.0.0.1", fwd[i.https_port]
             self.endpoint = pulumi.Output.from_input(endpoint_url(host_name, port))

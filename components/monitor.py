@@ -14,6 +14,7 @@ import pulumi
 
 from components import templates
 from components.config import StackConfig
+from components.engine import served_name
 from components.remote import RemoteStep
 from components.runtime import SERVICE_USER
 
@@ -39,7 +40,7 @@ def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str) 
             "monitor/monitor.env.j2", unit=unit, container=f"vllm-{node}" if cfg.runtime.kind == "docker" else "",
             service_user=SERVICE_USER if cfg.runtime.kind == "systemd" else "", failure_threshold=m.failure_threshold,
             grace_s=cfg.runtime.start_timeout_s, probe_url=f"https://127.0.0.1:{cfg.ingress.https_port}",
-            probe_timeout_s=m.probe_timeout_s, model=_served(cfg), **n)},
+            probe_timeout_s=m.probe_timeout_s, model=served_name(cfg), **n)},
         {"path": f"/etc/systemd/system/{n['service']}", "mode": "0644", "content": templates.render(
             "monitor/monitor.service.j2", unit=unit, round_timeout_s=m.probe_timeout_s + 150, **n)},
         {"path": f"/etc/systemd/system/{n['timer']}", "mode": "0644", "content": templates.render(
@@ -49,12 +50,6 @@ def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str) 
         files.append({"path": "/etc/systemd/system.conf.d/90-fimfleet-watchdog.conf", "mode": "0644",
                       "content": templates.render("monitor/watchdog.conf.j2", watchdog_s="30s")})
     return files
-
-
-def _served(cfg):
-    from components.engine import served_name
-
-    return served_name(cfg)
 
 
 class Monitor(pulumi.ComponentResource):

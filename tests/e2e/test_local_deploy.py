@@ -91,6 +91,18 @@ def test_01_up_succeeds_with_an_sla_report(node):
     (ld.ROOT / ".work" / "e2e-first-up-seconds").write_text(f"{node.up_seconds:.0f}\n")
 
 
+def test_01b_state_holds_no_secret_in_plain_text(node):
+    """`pulumi stack export` (without --show-secrets) must not contain any key."""
+    state = node.pulumi("stack", "export", check=True).stdout
+    secrets_now = list(keys(node).values())
+    info = json.loads((node.state / "info.json").read_text())
+    ssh_key = Path(info["ssh"]["key"]).read_text()
+    assert secrets_now and all(k not in state for k in secrets_now), "an API key is in the state in plain text"
+    body = "".join(ssh_key.strip().splitlines()[1:-1])
+    assert body[:40] not in state and "PRIVATE KEY" not in state, "a private key is in the state in plain text"
+    assert '"ciphertext"' in state
+
+
 def test_02_kernel_settings_are_live(node):
     raw = json.loads(node.pulumi("config", "--json", check=True).stdout)
     code, out, err = node.ssh("sysctl -a 2>/dev/null; for f in enabled defrag khugepaged/defrag; do "
