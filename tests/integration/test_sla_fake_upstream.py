@@ -20,10 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from components.sla import (  # noqa: E402
+from components.sla import (
     FimSlaCheckProvider,
     ProbeConfig,
     SlaThresholds,

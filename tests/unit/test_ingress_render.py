@@ -12,16 +12,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from components.ingress_render import (  # noqa: E402
+from components.ingress_render import (
     INGRESS_FILE_MODES,
     INGRESS_SECRET_FILES,
     KEYS_CONF,

@@ -6,17 +6,12 @@ No network: reports are built from synthetic RequestResults.
 from __future__ import annotations
 
 import ssl
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from components import fim_corpus  # noqa: E402
-from components.sla import (  # noqa: E402
+from components import fim_corpus
+from components.sla import (
     ProbeConfig,
     ProbeReport,
     RequestResult,
