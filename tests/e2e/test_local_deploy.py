@@ -93,7 +93,7 @@ def test_01_up_succeeds_with_an_sla_report(node):
 
 def test_01b_state_holds_no_secret_in_plain_text(node):
     """`pulumi stack export` (without --show-secrets) must not contain any key."""
-    state = node.pulumi("stack", "export", check=True).stdout
+    state = ld.fimfleet_pulumi("stack", "export", "-s", "local")  # export takes no --config-file
     secrets_now = list(keys(node).values())
     info = json.loads((node.state / "info.json").read_text())
     ssh_key = Path(info["ssh"]["key"]).read_text()
