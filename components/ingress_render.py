@@ -28,6 +28,8 @@ from typing import Mapping, Optional, Sequence, Union
 
 import jinja2
 
+from components.templates import make_environment
+
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "files" / "nginx"
 
 MAIN_CONF = "nginx.conf"
@@ -261,14 +263,8 @@ def _listen(addr: str, port: int) -> str:
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        autoescape=False,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
+    # nginx templates are laid out for trim_blocks/lstrip_blocks.
+    return make_environment(TEMPLATE_DIR, trim_blocks=True, lstrip_blocks=True)
 
 
 def _context(spec: IngressSpec) -> dict:

@@ -12,17 +12,21 @@ import jinja2
 FILES = Path(__file__).resolve().parent.parent / "files"
 
 
-@lru_cache(maxsize=1)
-def environment() -> jinja2.Environment:
+def make_environment(directory: Path, **options) -> jinja2.Environment:
+    """A jinja2 environment over `directory` that fails on any undefined value."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(FILES)),
+        loader=jinja2.FileSystemLoader(str(directory)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
-        # Shell templates use ${#array[@]}; keep jinja comments out of their way.
-        comment_start_string="{##",
-        comment_end_string="##}",
+        **options,
     )
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    # Shell templates use ${#array[@]}; keep jinja comments out of their way.
+    return make_environment(FILES, comment_start_string="{##", comment_end_string="##}")
 
 
 def render(name: str, **values) -> str:
