@@ -12,6 +12,7 @@ Ratios are what matters here: the machine is noisy. Results go to benchmarks/res
 
     .venv/bin/python benchmarks/deploy_time.py            # A, B and C (two fresh VMs, ~25 min)
     .venv/bin/python benchmarks/deploy_time.py --noop     # C only, on the demo's deployed stack
+    .venv/bin/python benchmarks/deploy_time.py --runbook  # B only: the demo stack's steps onto a fresh VM
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def pulumi(config_file: Path, *args) -> subprocess.CompletedProcess:
 
 def runbook_steps(config_file: Path) -> list[dict]:
     """The RemoteSteps of the deployed stack, in the order Pulumi created them."""
-    state = json.loads(pulumi(config_file, "stack", "export", "--show-secrets").stdout)
+    del config_file  # `stack export` reads the state only and takes no --config-file
+    state = json.loads(ld.fimfleet_pulumi("stack", "export", "--show-secrets", "-s", "local"))
     steps = [r["outputs"] for r in state["deployment"]["resources"]
              if r["type"] == "pulumi-python:dynamic:Resource" and "apply" in r.get("outputs", {})]
     return steps
@@ -103,6 +105,18 @@ def save(name: str, result: dict) -> None:
 
 
 def main() -> int:
+    if "--runbook" in sys.argv:
+        # B alone: the demo stack's steps (default state) replayed onto a fresh VM.
+        tmp = Path(tempfile.mkdtemp(prefix="fimfleet-bench-"))
+        paths = ld.prepare()
+        steps = runbook_steps(ld.WORK / "Pulumi.local.yaml")
+        ld.start_vm(tmp / "vm-b", paths["wheelhouse"])
+        try:
+            t_runbook, _ = timed(replay, steps, tmp / "vm-b")
+        finally:
+            ld.stop_vm(tmp / "vm-b")
+        save("runbook.json", {"runbook_fresh_vm_s": round(t_runbook, 1), "runbook_steps": [s.get("label") for s in steps]})
+        return 0
     if "--noop" in sys.argv:
         tmp = Path(tempfile.mkdtemp(prefix="fimfleet-bench-"))
         save("noop_up.json", noop_vs_empty(ld.WORK / "Pulumi.local.yaml", tmp))
