@@ -50,9 +50,23 @@ def runbook_steps(config_file: Path) -> list[dict]:
     """The RemoteSteps of the deployed stack, in the order Pulumi created them."""
     del config_file  # `stack export` reads the state only and takes no --config-file
     state = json.loads(ld.fimfleet_pulumi("stack", "export", "--show-secrets", "-s", "local"))
-    steps = [r["outputs"] for r in state["deployment"]["resources"]
+    steps = [_plain(r["outputs"]) for r in state["deployment"]["resources"]
              if r["type"] == "pulumi-python:dynamic:Resource" and "apply" in r.get("outputs", {})]
     return steps
+
+
+SECRET_SIG = "4dabf18193072939515e22adb298388d"
+
+
+def _plain(value):
+    """Unwrap the secrets of an exported state (`--show-secrets` keeps them as JSON plaintext)."""
+    if isinstance(value, dict):
+        if SECRET_SIG in value and "plaintext" in value:
+            return _plain(json.loads(value["plaintext"]))
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def replay(steps: list[dict], state_dir: Path) -> None:
