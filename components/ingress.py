@@ -7,14 +7,12 @@ the host and installs them only when `nginx -t` accepts them (files/ingress/).
 
 from __future__ import annotations
 
-import ipaddress
-
 import pulumi
 
 from components import templates
 from components.config import StackConfig
 from components.host import testbed_forwards
-from components.ingress_render import IngressSpec, ingress_install_plan
+from components.ingress_render import IngressSpec, _is_ip, ingress_install_plan
 from components.remote import RemoteStep
 from components.tls import SelfSignedCertificate
 
@@ -96,22 +94,14 @@ class NginxIngress(pulumi.ComponentResource):
         server_name = i.domain or (cfg.host.address if cfg.host.kind == "ssh" else "localhost")
         rendered = pulumi.Output.all(cert_pem, key_pem).apply(lambda a: render_files(cfg, server_name, a[0], a[1]))
         staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))
-        # Install paths and modes do not depend on secrets: render them once without the PEMs.
-        installs = render_files(cfg, server_name, "", "")[1]
+        # Install paths, modes and the digest do not depend on the PEMs: render once with placeholders.
+        placeholder_staged, installs = render_files(cfg, server_name, "<cert>", "<key>")
         kw = dict(conf_dir="/etc/nginx", staged_dir=STAGED_DIR, tls_dir=TLS_DIR, files=installs,
                   https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
                   tls_cert=installs[0]["dest"])
         check = templates.render("ingress/check.sh.j2", **kw)
-        self.digest = templates.digest(render_files(cfg, server_name, "<cert>", "<key>")[0], i.tls)
+        self.digest = templates.digest(placeholder_staged, i.tls)
         self.step = RemoteStep(f"{name}-nginx", label="nginx ingress", connection=conn, files=staged,
                                apply=templates.render("ingress/apply.sh.j2", check=check, **kw), check=check,
                                destroy=templates.render("ingress/destroy.sh.j2", **kw), opts=child)
         self.register_outputs({"endpoint": self.endpoint, "caPem": self.ca_pem})
-
-
-def _is_ip(s: str) -> bool:
-    try:
-        ipaddress.ip_address(s)
-        return True
-    except ValueError:
-        return False
