@@ -7,17 +7,16 @@ tier (components/tiers.py), never from literals scattered over the components.
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
-from components import models, sizing
+from components import grammar, models, sizing
 from components.tiers import TIERS, Tier
 
 NAMESPACE = "fimfleet"
+OTHER_NAMESPACES = ("pulumi", "hcloud", "aws", "digitalocean")
+"""Config namespaces that belong to Pulumi itself or to the cloud providers fimfleet uses."""
 SECRET_KEYS = ("sshPrivateKey", "apiKeys", "hfToken", "tlsCert", "tlsKey")
 
 
@@ -29,7 +28,8 @@ class Problem:
 
     def __str__(self) -> str:
         shown = "<secret>" if self.key.split(".")[0].split("[")[0] in SECRET_KEYS else json.dumps(self.value, default=str)
-        return f"{NAMESPACE}:{self.key} = {shown}: {self.fix}"
+        full = self.key if ":" in self.key else f"{NAMESPACE}:{self.key}"
+        return f"{full} = {shown}: {self.fix}"
 
 
 class ConfigError(ValueError):
@@ -262,12 +262,12 @@ def _parse_section(name, cls, raw, defaults, problems):
     return cls(**values)
 
 
-IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)$")
 
 
 def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> StackConfig:
     """Validate a stack's fimfleet config. `raw` maps short keys (no namespace) to parsed values."""
+    from components import checks  # checks reads this module's types: import it late, not circularly
+
     problems: list[Problem] = []
     for k in raw:
         if k not in TOP_LEVEL:
@@ -291,175 +291,69 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
         problems.append(Problem("apiKeys", "<secret>", "set at least one named key: pulumi config set --secret --path 'apiKeys.alice' <key of 32+ chars>"))
         api_keys = {}
     for name, val in api_keys.items():
-        if not IDENT.match(str(name)):
-            problems.append(Problem(f"apiKeys.{name}", "<secret>", "key names are identifiers: letters, digits and _ (1-63 chars, not starting with a digit)"))
-        if not isinstance(val, str) or len(val) < 24 or not re.fullmatch(r"[A-Za-z0-9._~+/=-]+", val):
-            problems.append(Problem(f"apiKeys.{name}", "<secret>", "each key must be 24+ URL-safe characters without spaces or quotes (e.g. openssl rand -hex 24)"))
+        for msg in (grammar.key_name(str(name)), grammar.api_key(val)):
+            if msg:
+                problems.append(Problem(f"apiKeys.{name}", "<secret>", msg))
     secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=dict(api_keys),
                       hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""))
 
     host, model, engine, runtime, ingress = sec["host"], sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
-    _check_host(host, secrets, problems)
-    model_spec = _check_model(model, tier, problems)
-    _check_engine(engine, host, tier, problems)
-    _check_runtime(runtime, tier, problems)
-    _check_ingress(ingress, secrets, problems)
+    checks.check_host(host, secrets, problems)
+    model_spec = checks.check_model(model, tier, problems)
+    checks.check_engine(engine, host, tier, model_spec, problems)
+    checks.check_runtime(runtime, tier, problems)
+    checks.check_ingress(ingress, secrets, problems)
     sla = sec["sla"]
     if None not in (sla.ttft_p50_ms, sla.ttft_p95_ms, sla.ttft_p99_ms) and not sla.ttft_p50_ms <= sla.ttft_p95_ms <= sla.ttft_p99_ms:
         problems.append(Problem("sla", {"ttftP50Ms": sla.ttft_p50_ms, "ttftP95Ms": sla.ttft_p95_ms, "ttftP99Ms": sla.ttft_p99_ms},
                                 "percentile limits must not decrease: ttftP50Ms <= ttftP95Ms <= ttftP99Ms"))
-    for k, v in (sec["kernel"].sysctl or {}).items():
-        if not re.fullmatch(r"[a-z0-9_]+(\.[a-z0-9_]+)+", str(k)):
-            problems.append(Problem(f"kernel.sysctl.{k}", v, "not a sysctl name (dotted, e.g. vm.swappiness)"))
+    checks.check_kernel(sec["kernel"], problems)
+    checks.check_ports(engine, ingress, problems)
 
     memory = None
     needed = (host.memory_gib, host.gpu_memory_gib, engine.kv_cache_gib, engine.max_model_len, engine.max_num_seqs,
               engine.gpu_memory_utilization, engine.tensor_parallel_size)
     if model_spec is not None and model.quantization in models.QUANTIZATIONS and None not in needed:
-        memory = _check_memory(model_spec, model, engine, host, tier, problems)
+        memory = checks.check_memory(model_spec, model, engine, host, tier, problems)
     if problems:
         raise ConfigError(problems)
     return StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=memory, **sec)
 
 
-def _check_host(host, secrets, problems):
-    if host.kind == "ssh":
-        if not host.address:
-            problems.append(Problem("host.address", host.address, "set the VPS address: pulumi config set --path fimfleet:host.address 203.0.113.10"))
-        else:
-            try:
-                ipaddress.ip_address(host.address)
-            except ValueError:
-                if not re.fullmatch(r"(?=.{1,253}$)([A-Za-z0-9-]{1,63}\.)*[A-Za-z0-9-]{1,63}", host.address):
-                    problems.append(Problem("host.address", host.address, "must be an IP address or a DNS name"))
-        if not secrets.ssh_private_key:
-            problems.append(Problem("sshPrivateKey", "<unset>", "set the SSH key: pulumi config set --secret fimfleet:sshPrivateKey < ~/.ssh/id_ed25519"))
-        elif "PRIVATE KEY" not in secrets.ssh_private_key:
-            problems.append(Problem("sshPrivateKey", "<secret>", "must be a PEM/OpenSSH private key (-----BEGIN ... PRIVATE KEY-----)"))
-    elif host.kind == "local-vm" and not host.testbed_state:
-        problems.append(Problem("host.testbedState", host.testbed_state, "set the testbed state dir (./fimfleet demo does this)"))
-    if host.bastion and not host.bastion.get("address"):
-        problems.append(Problem("host.bastion.address", None, "a bastion needs an address"))
-
-
-def _check_model(model, tier, problems):
-    quant = models.QUANTIZATIONS.get(model.quantization)
-    if quant and tier.device not in quant.devices:
-        problems.append(Problem("model.quantization", model.quantization,
-                                f"not runnable by vLLM on {tier.device}; choose one of: "
-                                + ", ".join(q for q, v in models.QUANTIZATIONS.items() if tier.device in v.devices)))
-    if model.source == "local":
-        if not model.local_path:
-            problems.append(Problem("model.localPath", model.local_path, "set the local model directory to copy to the host"))
-            return None
-        try:
-            return models.load_local_spec(model.served_name or Path(model.local_path).name, model.local_path)
-        except (OSError, KeyError, ValueError) as e:
-            problems.append(Problem("model.localPath", model.local_path, f"must be a model directory with a readable config.json ({e})"))
-            return None
-    spec = models.CATALOG.get(model.id)
-    if spec is None:
-        problems.append(Problem("model.id", model.id, f"unknown model; use one of {', '.join(models.CATALOG)} or model.source=local"))
-    elif model.id.lower().endswith("-instruct"):
-        problems.append(Problem("model.id", model.id, "FIM needs the base checkpoint; drop -Instruct"))
-    return spec
-
-
-def _check_engine(engine, host, tier, problems):
-    if not CPU_LIST.match(engine.threads_bind or ""):
-        problems.append(Problem("engine.threadsBind", engine.threads_bind, "must be auto, nobind, or a CPU list like 0-31 (ranks separated by |)"))
-    if tier.device == "gpu" and host.gpu_count and engine.tensor_parallel_size > host.gpu_count:
-        problems.append(Problem("engine.tensorParallelSize", engine.tensor_parallel_size, f"cannot exceed host.gpuCount ({host.gpu_count})"))
-    if tier.device == "cpu" and engine.dtype == "float16":
-        problems.append(Problem("engine.dtype", engine.dtype, "vLLM on CPU runs bfloat16 or float32; use bfloat16"))
-    if engine.max_num_batched_tokens and engine.max_model_len and engine.max_num_batched_tokens < engine.max_num_seqs:
-        problems.append(Problem("engine.maxNumBatchedTokens", engine.max_num_batched_tokens, "must be at least engine.maxNumSeqs"))
-    if tier.device == "cpu" and host.cpus and engine.reserved_cpus >= host.cpus:
-        problems.append(Problem("engine.reservedCpus", engine.reserved_cpus, f"must leave CPUs for the engine (host.cpus = {host.cpus})"))
-    for a in engine.extra_args or ():
-        if not isinstance(a, str) or not a.startswith("--"):
-            problems.append(Problem("engine.extraArgs", a, "each extra argument must be a string starting with -- (values go in their own item)"))
-            break
-    for k, v in (engine.env or {}).items():
-        if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", str(k)) or not isinstance(v, (str, int, float)):
-            problems.append(Problem(f"engine.env.{k}", v, "environment names are UPPER_CASE and values are strings"))
-
-
-def _check_runtime(runtime, tier, problems):
-    if tier.device == "gpu" and runtime.kind == "systemd":
-        problems.append(Problem("runtime.kind", runtime.kind, "GPU tiers run the vllm/vllm-openai container: use docker"))
-    if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", runtime.vllm_version or ""):
-        problems.append(Problem("runtime.vllmVersion", runtime.vllm_version, "must be an exact release like 0.32.0"))
-    for k in ("index_url", "wheelhouse_url"):
-        v = getattr(runtime, k)
-        if v and not re.match(r"^https?://", v):
-            problems.append(Problem(f"runtime.{_camel(k)}", v, "must be an http(s) URL"))
-
-
-def _check_ingress(ingress, secrets, problems):
-    for i, c in enumerate(ingress.metrics_allow_cidrs or ()):
-        try:
-            ipaddress.ip_network(c, strict=False)
-        except (ValueError, TypeError):
-            problems.append(Problem(f"ingress.metricsAllowCidrs[{i}]", c, "must be a CIDR like 10.0.0.0/8"))
-    if ingress.https_port == ingress.http_port:
-        problems.append(Problem("ingress.httpPort", ingress.http_port, "must differ from ingress.httpsPort"))
-    if ingress.tls == "provided" and not (secrets.tls_cert and secrets.tls_key):
-        problems.append(Problem("tlsCert", "<unset>", "tls=provided needs secrets fimfleet:tlsCert and fimfleet:tlsKey (PEM)"))
-    if ingress.tls == "acme":
-        if not ingress.domain:
-            problems.append(Problem("ingress.domain", ingress.domain, "ACME needs a public DNS name pointing at the host"))
-        if "@" not in (ingress.acme_email or ""):
-            problems.append(Problem("ingress.acmeEmail", ingress.acme_email, "ACME needs a contact email"))
-
-
-def _check_memory(spec, model, engine, host, tier, problems):
-    quant = models.QUANTIZATIONS[model.quantization]
-    if engine.max_model_len > spec.max_context:
-        problems.append(Problem("engine.maxModelLen", engine.max_model_len, f"{spec.name} supports at most {spec.max_context} tokens"))
-        return None
-    kv_bytes = sizing.KV_BYTES["fp8" if engine.kv_cache_dtype == "fp8" else "bf16"]
-    if tier.device == "cpu":
-        plan = sizing.plan_cpu(spec, quant, ram_bytes=host.memory_gib * models.GIB,
-                               kv_cache_bytes=engine.kv_cache_gib * models.GIB, max_model_len=engine.max_model_len,
-                               max_num_seqs=engine.max_num_seqs, kv_dtype_bytes=kv_bytes)
-        where = "host.memoryGiB"
-    else:
-        plan = sizing.plan_gpu(spec, quant, vram_bytes_per_gpu=host.gpu_memory_gib * models.GIB,
-                               gpus=engine.tensor_parallel_size, utilization=engine.gpu_memory_utilization,
-                               max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_dtype_bytes=kv_bytes)
-        where = "host.gpuMemoryGiB"
-    if not plan.fits:
-        if plan.total > plan.capacity:
-            problems.append(Problem(where, host.memory_gib if tier.device == "cpu" else host.gpu_memory_gib,
-                                    f"{spec.name} ({model.quantization}) does not fit: {plan.explain()}. "
-                                    "Use a smaller quantization, a smaller engine.kvCacheGiB, or a bigger tier"))
-        else:
-            problems.append(Problem("engine.kvCacheGiB" if tier.device == "cpu" else "engine.maxModelLen",
-                                    engine.kv_cache_gib if tier.device == "cpu" else engine.max_model_len,
-                                    f"the KV cache cannot hold one full-context sequence: {plan.explain()}. "
-                                    "Raise the KV cache or lower engine.maxModelLen"))
-    return plan
-
-
 def from_pulumi() -> StackConfig:
-    """Read every `fimfleet:*` key of the running stack (unknown keys included, to reject them)."""
+    """Read every key of the running stack (unknown keys and namespaces included, to reject them)."""
     from pulumi.runtime import config as rc
 
+    values = rc.CONFIG.get()
+    return from_mapping(values, frozenset(k for k in values if rc.is_config_secret(k)))
+
+
+def from_mapping(values: dict[str, str], secret_full_keys: frozenset[str]) -> StackConfig:
+    """Validate a stack's config as Pulumi hands it over: full `namespace:key` names, JSON-encoded values."""
     raw, secret = {}, set()
     prefix = NAMESPACE + ":"
-    for full, value in rc.CONFIG.get().items():
+    foreign = []
+    for full, value in values.items():
         if not full.startswith(prefix):
+            if full.split(":", 1)[0] not in OTHER_NAMESPACES:
+                foreign.append(Problem(full, "<ignored>", f"unknown namespace; fimfleet reads only {prefix}* keys "
+                                       f"(rename it to {prefix}{full.split(':', 1)[-1]})"))
             continue
         short = full[len(prefix):]
         try:
             raw[short] = json.loads(value)
         except (TypeError, json.JSONDecodeError):
             raw[short] = value
-        if rc.is_config_secret(full):
+        if full in secret_full_keys:
             secret.add(short)
     # A plain string that happens to parse as JSON (e.g. "8000") stays a string only where a string is wanted.
     for k in ("sshPrivateKey", "hfToken", "tlsCert", "tlsKey", "tier"):
         if k in raw and not isinstance(raw[k], str):
-            raw[k] = rc.CONFIG.get()[prefix + k]
-    return parse(raw, frozenset(secret))
+            raw[k] = values[prefix + k]
+    try:
+        cfg = parse(raw, frozenset(secret))
+    except ConfigError as err:
+        raise ConfigError(foreign + err.problems) from None
+    if foreign:
+        raise ConfigError(foreign)
+    return cfg

@@ -83,7 +83,7 @@ def render(cfg: StackConfig, model_path: str) -> EngineLaunch:
     if cfg.secrets.hf_token:
         env["HF_HUB_ENABLE_HF_TRANSFER"] = "0"
     env.update({k: str(v) for k, v in (e.env or {}).items()})
-    args += list(e.extra_args or ())
+    args += [str(a) for a in e.extra_args or ()]
     return EngineLaunch(args=tuple(args), env=env, container=container)
 
 

@@ -29,6 +29,8 @@ class ModelSpec:
     """Input embedding plus LM head (once if tied); they stay 16-bit when the rest is quantized."""
     max_context: int
     supports_fim: bool = True
+    attention_heads: int = 0
+    """Query heads: tensor parallelism must divide them (0 = unknown)."""
 
 
 def _qwen2(name, layers, hidden, heads, kv_heads, params, vocab=151936, tied=False, max_context=32768):
@@ -40,6 +42,7 @@ def _qwen2(name, layers, hidden, heads, kv_heads, params, vocab=151936, tied=Fal
         params=params,
         embedding_params=vocab * hidden * (1 if tied else 2),
         max_context=max_context,
+        attention_heads=heads,
     )
 
 
@@ -100,6 +103,7 @@ def spec_from_hf_config(name: str, config: dict, params: int | None = None) -> M
         params=params,
         embedding_params=vocab * hidden * (1 if tied else 2),
         max_context=config.get("max_position_embeddings", 32768),
+        attention_heads=heads,
     )
 
 

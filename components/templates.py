@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,10 +24,17 @@ def make_environment(directory: Path, **options) -> jinja2.Environment:
     )
 
 
+def shell_quote(value) -> str:
+    """The one quoting rule for every value that reaches a shell: a single POSIX word."""
+    return shlex.quote(str(value))
+
+
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     # Shell templates use ${#array[@]}; keep jinja comments out of their way.
-    return make_environment(FILES, comment_start_string="{##", comment_end_string="##}")
+    env = make_environment(FILES, comment_start_string="{##", comment_end_string="##}")
+    env.filters["q"] = shell_quote
+    return env
 
 
 def render(name: str, **values) -> str:

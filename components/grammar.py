@@ -1,0 +1,168 @@
+"""Grammars of the config values that reach a shell, a unit file or nginx: one source for each rule.
+
+Each check returns None for a valid value, else the fix to show. config.py reports the fix
+with the key and the value; renderers may call the same check as a last guard. Grammars are
+deliberately narrow: a value with a known shape never needs shell metacharacters, so `;`,
+`$`, backticks, quotes, spaces and newlines are refused here, and the quoting filter
+(templates.shell_quote) is the second line of defence, not the only one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from functools import lru_cache
+from pathlib import Path
+
+
+_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?")
+DNS_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+EMAIL = re.compile(rf"[A-Za-z0-9._%+-]{{1,64}}@{_HOST_LABEL}(?:\.{_HOST_LABEL})+")
+# Docker reference: [registry[:port]/]path[:tag][@sha256:digest] (distribution/reference grammar, lower-case path).
+IMAGE_REF = re.compile(
+    r"(?:(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?)/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?")
+ABS_PATH = re.compile(r"/(?:[A-Za-z0-9._+-]+/?)*")
+LOCAL_PATH = re.compile(r"[A-Za-z0-9._+/~-]+")
+SYSCTL_NAME = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)+")
+SYSCTL_VALUE = re.compile(r"[A-Za-z0-9_.:,/+-]+(?: [A-Za-z0-9_.:,/+-]+)*")
+URL = re.compile(r"https?://[A-Za-z0-9.-]+(?::[0-9]{1,5})?(?:/[A-Za-z0-9._~%/+-]*)?")
+SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(?:/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+UNIX_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+ENV_VALUE = re.compile(r"[A-Za-z0-9_.:,/=+@%|-]{0,1024}")
+KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+API_KEY = re.compile(r"[A-Za-z0-9._~+/=-]{24,512}")
+NO_CONTROL = re.compile(r"[^\x00-\x1f\x7f]*")
+
+THP_NAMES = re.compile(r".*(transparent_hugepage|khugepaged|(^|[._])thp([._]|$)).*")
+"""THP lives in sysfs (/sys/kernel/mm/transparent_hugepage), never in sysctl; fimfleet sets it itself."""
+
+
+@lru_cache(maxsize=1)
+def known_sysctls() -> frozenset[str]:
+    """sysctl names of a current Linux (find /proc/sys -type f): a misspelt or removed name fails at preview."""
+    text = (Path(__file__).with_name("data") / "sysctl-keys.txt").read_text()
+    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+
+
+def _full(pattern: re.Pattern, value) -> bool:
+    return isinstance(value, str) and pattern.fullmatch(value) is not None
+
+
+def hostname(v) -> str | None:
+    if _full(HOSTNAME, v) and not v.replace(".", "").isdigit():
+        return None
+    return "must be a DNS name like code.example.com (letters, digits, - and dots; no scheme, port, path or spaces)"
+
+
+def ip(v) -> bool:
+    try:
+        ipaddress.ip_address(v)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def address(v) -> str | None:
+    """An IP address or a DNS name: where SSH connects, and what a certificate names."""
+    return None if ip(v) else (None if hostname(v) is None else
+                               "must be an IP address (203.0.113.10) or a DNS name (vps1.example.com)")
+
+
+def cidr(v) -> str | None:
+    """A network in canonical form, never the whole internet."""
+    try:
+        net = ipaddress.ip_network(v, strict=True)
+    except (ValueError, TypeError) as e:
+        if isinstance(v, str) and "host bits set" in str(e):
+            fixed = ipaddress.ip_network(v, strict=False)
+            return f"has host bits set; write the network address: {fixed}"
+        return "must be a CIDR like 10.0.0.0/8 or 192.168.1.0/24"
+    if net.prefixlen == 0:
+        return "opens /metrics to the whole internet; list your monitoring networks (e.g. 10.0.0.0/8)"
+    return None
+
+
+def email(v) -> str | None:
+    return None if _full(EMAIL, v) else "must be an e-mail address like ops@example.com"
+
+
+def image(v) -> str | None:
+    if _full(IMAGE_REF, v):
+        return None
+    return ("must be an image reference like registry.example.com/vllm/vllm-openai:v0.32.0 "
+            "or repo@sha256:<64 hex> (lower-case path, no spaces or shell characters)")
+
+
+def abs_path(v) -> str | None:
+    if _full(ABS_PATH, v) and "/../" not in v + "/" and not v.rstrip("/") == "":
+        return None
+    return "must be an absolute path of letters, digits and ._+- (e.g. /opt/fimfleet/vllm), not / itself"
+
+
+def local_path(v) -> str | None:
+    return None if _full(LOCAL_PATH, v) else "must be a path of letters, digits and ._+/~- (no spaces or shell characters)"
+
+
+def sysctl_name(v) -> str | None:
+    if not _full(SYSCTL_NAME, v):
+        return "not a sysctl name (dotted, e.g. vm.swappiness)"
+    if THP_NAMES.fullmatch(v):
+        return ("transparent huge pages are not a sysctl; fimfleet sets THP in sysfs itself "
+                "(madvise); remove this key")
+    if v not in known_sysctls():
+        return "no such sysctl in current Linux kernels (misspelt or removed); check the name with `sysctl -a` on the host"
+    return None
+
+
+def sysctl_value(v) -> str | None:
+    s = str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    if _full(SYSCTL_VALUE, s):
+        return None
+    return "must be a number or words of letters, digits and ._:,/+- separated by single spaces"
+
+
+def url(v) -> str | None:
+    return None if _full(URL, v) else "must be an http(s) URL like https://pypi.example.com/simple (no spaces or quotes)"
+
+
+def served_name(v) -> str | None:
+    return None if _full(SERVED_NAME, v) else "must be letters, digits and ._- (1-128 chars), e.g. qwen2.5-coder-7b"
+
+
+def model_id(v) -> str | None:
+    return None if _full(MODEL_ID, v) else "must be a Hugging Face id like Qwen/Qwen2.5-Coder-7B"
+
+
+def revision(v) -> str | None:
+    return None if _full(REVISION, v) else "must be a branch, tag or commit of letters, digits and ._/-"
+
+
+def unix_user(v) -> str | None:
+    return None if _full(UNIX_USER, v) else "must be a Unix user name like root or deploy"
+
+
+def env_name(v) -> str | None:
+    return None if _full(ENV_NAME, v) else "environment names are UPPER_CASE letters, digits and _"
+
+
+def env_value(v) -> str | None:
+    s = str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return None if _full(ENV_VALUE, s) else "values are letters, digits and _.:,/=+@%|- (no spaces, quotes or newlines)"
+
+
+def key_name(v) -> str | None:
+    return None if _full(KEY_NAME, v) else "key names are identifiers: letters, digits and _ (1-63 chars, not starting with a digit)"
+
+
+def api_key(v) -> str | None:
+    return None if _full(API_KEY, v) else "each key must be 24-512 URL-safe characters without spaces or quotes (e.g. openssl rand -hex 24)"
+
+
+def dns_label(v) -> str | None:
+    return None if _full(DNS_LABEL, v) else "must be a DNS label: lower-case letters, digits and -, 1-63 chars"
