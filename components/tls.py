@@ -2,6 +2,12 @@
 
 The CA's private key is discarded right after signing, so only the server key exists,
 and it lives in the state as a secret. Editors and the SLA probe trust `caPem`.
+
+Certificates live at most MAX_VALIDITY_DAYS (Mozilla's intermediate profile allows fewer
+than 366 days). The provider's diff reads the certificate in the state, so every
+`pulumi preview`/`up` plans a reissue once fewer than RENEW_BEFORE_DAYS remain, or when the
+certificate lives longer than the configured validity (e.g. an 825-day one from an older
+fimfleet). The provider class keeps its import path: dill pickles it into the state by it.
 """
 
 from __future__ import annotations
@@ -14,11 +20,18 @@ from typing import Any
 import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, Resource, ResourceProvider
 
-VALIDITY_DAYS = 825
+MAX_VALIDITY_DAYS = 365
+"""Longest life of a self-signed certificate (Mozilla intermediate: fewer than 366 days)."""
+RENEW_BEFORE_DAYS = 30
+"""`pulumi up` reissues a certificate with fewer days than this left."""
+NAME_KEYS = ("commonName", "dnsNames", "ipAddresses")
 
 
-def issue(common_name: str, dns_names: list[str], ip_addresses: list[str], days: int = VALIDITY_DAYS) -> dict[str, str]:
-    """Return caPem, certPem and keyPem (PEM strings) for a server certificate signed by a fresh CA."""
+def issue(common_name: str, dns_names: list[str], ip_addresses: list[str],
+          days: int = MAX_VALIDITY_DAYS) -> dict[str, str]:
+    """Return caPem, certPem, keyPem (PEM strings) and notAfter for a server certificate signed by a fresh CA."""
+    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= MAX_VALIDITY_DAYS:
+        raise ValueError(f"certificate validity {days!r} days: use 1 to {MAX_VALIDITY_DAYS}")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -56,28 +69,54 @@ def issue(common_name: str, dns_names: list[str], ip_addresses: list[str], days:
     }
 
 
+def reissue_reason(cert_pem: Any, validity_days: int, now: dt.datetime | None = None) -> str | None:
+    """Why the certificate in the state must be reissued (None: keep it)."""
+    from cryptography import x509
+
+    try:
+        leaf = x509.load_pem_x509_certificates(cert_pem.encode())[0]
+    except (AttributeError, IndexError, ValueError):
+        return "the state holds no readable certificate"
+    now = now or dt.datetime.now(dt.timezone.utc)
+    not_after = leaf.not_valid_after_utc
+    left = not_after - now
+    if left < dt.timedelta(days=RENEW_BEFORE_DAYS):
+        return f"it expires {not_after:%Y-%m-%d %H:%M} UTC, in under {RENEW_BEFORE_DAYS} days"
+    # issue() backdates notBefore by 5 minutes; allow an hour of slack
+    if not_after - leaf.not_valid_before_utc > dt.timedelta(days=validity_days, hours=1):
+        return f"it lives {(not_after - leaf.not_valid_before_utc).days} days, longer than {validity_days}"
+    return None
+
+
+def _validity(props: dict[str, Any]) -> int:
+    return int(props.get("validityDays") or MAX_VALIDITY_DAYS)
+
+
 class SelfSignedProvider(ResourceProvider):
     def create(self, props: dict[str, Any]) -> CreateResult:
-        out = issue(props["commonName"], list(props.get("dnsNames") or []), list(props.get("ipAddresses") or []))
+        out = issue(props["commonName"], list(props.get("dnsNames") or []), list(props.get("ipAddresses") or []),
+                    days=_validity(props))
         return CreateResult(id_=uuid.uuid4().hex, outs={**props, **out})
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
-        keys = ("commonName", "dnsNames", "ipAddresses")
-        changed = [k for k in keys if olds.get(k) != news.get(k)]
+        changed = [k for k in NAME_KEYS if olds.get(k) != news.get(k)]
+        if not changed and reissue_reason(olds.get("certPem"), _validity(news)):
+            changed = ["notAfter"]
         return DiffResult(changes=bool(changed), replaces=changed, delete_before_replace=False)
 
 
 class SelfSignedCertificate(Resource):
-    """A server certificate for the node's names; replaced (re-issued) only when the names change."""
+    """A server certificate for the node's names; reissued when the names change, when fewer than
+    RENEW_BEFORE_DAYS remain, or when it lives longer than `validity_days`."""
 
     caPem: pulumi.Output[str]  # noqa: N815 - dynamic outputs keep their state names
     certPem: pulumi.Output[str]  # noqa: N815
     keyPem: pulumi.Output[str]  # noqa: N815
 
     def __init__(self, name: str, common_name: str, dns_names: list[str], ip_addresses: pulumi.Input[list],
-                 opts: pulumi.ResourceOptions | None = None):
+                 validity_days: int = MAX_VALIDITY_DAYS, opts: pulumi.ResourceOptions | None = None):
         opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(additional_secret_outputs=["keyPem"]))
         super().__init__(SelfSignedProvider(), name, {
             "commonName": common_name, "dnsNames": dns_names, "ipAddresses": ip_addresses,
-            "caPem": None, "certPem": None, "keyPem": None, "notAfter": None,
+            "validityDays": validity_days, "caPem": None, "certPem": None, "keyPem": None, "notAfter": None,
         }, opts)

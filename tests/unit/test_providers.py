@@ -83,7 +83,7 @@ def test_self_signed_chain_verifies_and_names_match():
 
 def test_certificate_is_reissued_only_when_names_change():
     p = tls.SelfSignedProvider()
-    olds = {"commonName": "a", "dnsNames": ["a"], "ipAddresses": [], "keyPem": "K"}
+    olds = {"commonName": "a", "dnsNames": ["a"], "ipAddresses": [], **tls.issue("a", ["a"], [])}
     assert not p.diff("id", olds, {"commonName": "a", "dnsNames": ["a"], "ipAddresses": []}).changes
     d = p.diff("id", olds, {"commonName": "a", "dnsNames": ["a", "b"], "ipAddresses": []})
     assert d.changes and d.replaces == ["dnsNames"]

@@ -1,0 +1,113 @@
+"""Self-signed certificate lifetime: at most 365 days, reissued by `pulumi up` before expiry.
+
+The provider's diff never runs under Pulumi mocks, so it is called directly with the
+outputs a real create left in the state.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import dill
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from components import tls
+
+NAMES = {"commonName": "code.example.com", "dnsNames": ["code.example.com", "localhost"], "ipAddresses": ["127.0.0.1"]}
+NOW = dt.datetime.now(dt.timezone.utc)
+
+
+def cert_pem(not_before: dt.datetime, not_after: dt.datetime) -> str:
+    """A certificate with exactly these dates (issue() refuses lifetimes the profile forbids)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "code.example.com")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(not_before).not_valid_after(not_after)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def state(**outs) -> dict:
+    """What a create leaves in the state: the inputs plus the issued PEMs."""
+    return {**NAMES, "validityDays": tls.MAX_VALIDITY_DAYS, **outs}
+
+
+def diff(olds: dict, **news):
+    return tls.SelfSignedProvider().diff("id", olds, {**NAMES, "validityDays": tls.MAX_VALIDITY_DAYS, **news})
+
+
+def test_new_certificates_live_at_most_365_days():
+    out = tls.SelfSignedProvider().create(dict(NAMES)).outs
+    leaf = x509.load_pem_x509_certificates(out["certPem"].encode())[0]
+    life = leaf.not_valid_after_utc - leaf.not_valid_before_utc
+    # sslyze's Mozilla check compares whole days with maximum_certificate_lifespan (366)
+    assert life.days == tls.MAX_VALIDITY_DAYS < 366
+    assert dt.datetime.fromisoformat(out["notAfter"]) == leaf.not_valid_after_utc
+
+
+def test_validity_days_is_honoured_and_bounded():
+    out = tls.SelfSignedProvider().create({**NAMES, "validityDays": 40}).outs
+    leaf = x509.load_pem_x509_certificates(out["certPem"].encode())[0]
+    assert (leaf.not_valid_after_utc - leaf.not_valid_before_utc).days == 40
+    for bad in (0, 366, 825, True, "90"):
+        with pytest.raises(ValueError, match="use 1 to 365"):
+            tls.issue("a", ["a"], [], days=bad)
+
+
+def test_fresh_certificate_is_kept():
+    d = diff(state(**tls.issue("code.example.com", ["code.example.com"], [])))
+    assert not d.changes and not d.replaces
+
+
+def test_near_expiry_certificate_is_reissued():
+    near = tls.issue("code.example.com", ["code.example.com"], [], days=tls.RENEW_BEFORE_DAYS - 1)
+    d = diff(state(**near))
+    assert d.changes and d.replaces == ["notAfter"] and d.delete_before_replace is False
+
+
+@pytest.mark.parametrize("days_left, reissue", [(31, False), (30.01, False), (29.99, True), (1, True), (-3, True)])
+def test_reissue_window_is_thirty_days(days_left, reissue):
+    pem = cert_pem(NOW - dt.timedelta(days=100), NOW + dt.timedelta(days=days_left))
+    assert (tls.reissue_reason(pem, tls.MAX_VALIDITY_DAYS, now=NOW) is not None) is reissue
+    assert bool(diff(state(certPem=pem)).changes) is reissue
+
+
+def test_expired_reason_names_the_date():
+    pem = cert_pem(NOW - dt.timedelta(days=300), NOW + dt.timedelta(days=5))
+    reason = tls.reissue_reason(pem, 365, now=NOW)
+    assert reason and (NOW + dt.timedelta(days=5)).strftime("%Y-%m-%d") in reason and "30 days" in reason
+
+
+def test_long_lived_certificate_from_an_older_release_is_reissued():
+    # fimfleet used to issue 825-day certificates; Mozilla intermediate allows < 366
+    pem = cert_pem(NOW - dt.timedelta(days=10), NOW + dt.timedelta(days=815))
+    d = diff(state(certPem=pem))
+    assert d.changes and d.replaces == ["notAfter"]
+    assert "825 days" in tls.reissue_reason(pem, 365, now=NOW)
+
+
+def test_shorter_configured_validity_reissues_a_longer_certificate():
+    olds = state(**tls.issue("code.example.com", ["code.example.com"], [], days=200))
+    assert not diff(olds, validityDays=200).changes
+    assert diff(olds, validityDays=90).replaces == ["notAfter"]
+
+
+def test_name_change_replaces_by_name_not_by_date():
+    d = diff(state(**tls.issue("code.example.com", ["code.example.com"], [])), dnsNames=["other.example.com"])
+    assert d.replaces == ["dnsNames"]
+
+
+@pytest.mark.parametrize("cert", [None, "", "not a pem", "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"])
+def test_unreadable_certificate_in_state_is_reissued(cert):
+    assert diff(state(certPem=cert)).replaces == ["notAfter"]
+
+
+def test_provider_class_path_is_stable_for_dill():
+    """State holds the pickled provider by reference: moving the class breaks every existing stack."""
+    assert (tls.SelfSignedProvider.__module__, tls.SelfSignedProvider.__qualname__) == ("components.tls", "SelfSignedProvider")
+    clone = dill.loads(dill.dumps(tls.SelfSignedProvider(), recurse=True))
+    assert clone.diff("id", state(certPem=None), dict(NAMES)).replaces == ["notAfter"]
