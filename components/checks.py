@@ -129,8 +129,8 @@ def check_engine(engine, host, tier, spec, problems):
                                     'each item is a flag like "--max-num-seqs", "--max-num-seqs=8", or the value after a flag'))
         elif flag in REMOVED_VLLM_FLAGS:
             problems.append(Problem("engine.extraArgs", shown, f"{flag} {REMOVED_VLLM_FLAGS[flag]}"))
-        elif value is not None and not re.fullmatch(r'[A-Za-z0-9_.:,/=+@%{}\[\]"-]{1,1024}', value):
-            problems.append(Problem("engine.extraArgs", shown, "flag values are letters, digits and _.:,/=+@%{}[]\"- (no spaces, backslashes, $, ; or backticks)"))
+        elif value is not None and not re.fullmatch(r'[A-Za-z0-9_.:,/=+@{}\[\]"-]{1,1024}', value):
+            problems.append(Problem("engine.extraArgs", shown, "flag values are letters, digits and _.:,/=+@{}[]\"- (no spaces, backslashes, %, $, ; or backticks)"))
     for k, v in (engine.env or {}).items():
         if msg := grammar.env_name(str(k)) or grammar.env_value(v):
             problems.append(Problem(f"engine.env.{k}", v, msg))

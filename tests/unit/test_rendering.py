@@ -143,7 +143,7 @@ def test_sysctl_override_reaches_the_file_and_the_verify_script():
     cfg = cfg_for(kernel={"sysctl": {"vm.swappiness": "7"}})
     r = kernel.render(cfg)
     assert "vm.swappiness = 7" in next(f["content"] for f in r.files if f["path"] == kernel.SYSCTL_PATH)
-    assert "wanted '7'" in r.check
+    assert "want_sysctl vm.swappiness 7\n" in r.check
 
 
 def test_engine_unit_is_loopback_only_and_hardened():
