@@ -12,12 +12,19 @@ import pulumi
 from components import templates
 from components.config import StackConfig
 from components.host import testbed_forwards
-from components.ingress_render import IngressSpec, _is_ip, ingress_install_plan
+from components.ingress_render import (NGINX_DROPIN_PATH, IngressSpec, _is_ip, body_size_for, ingress_install_plan,
+                                       render_nginx_dropin)
 from components.remote import RemoteStep
-from components.tls import SelfSignedCertificate
+from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
 
 STAGED_DIR = "/etc/fimfleet/nginx-staged"
 TLS_DIR = "/etc/fimfleet/tls"
+RENEW_HINTS = {
+    "self-signed": "the next pulumi up reissues it",
+    "acme": "certbot.timer should have renewed it: see journalctl -u certbot; pulumi up runs certbot renew",
+    "provided": "set a new fimfleet:tlsCert and fimfleet:tlsKey, then run pulumi up",
+}
+"""What the expiry warning of the refresh check tells the operator, per certificate source."""
 
 
 def public_name(cfg: StackConfig, address: str) -> str:
@@ -35,28 +42,50 @@ def spec_for(cfg: StackConfig, server_name: str, cert_path: str, key_path: str) 
         api_keys=dict(cfg.secrets.api_keys), https_port=i.https_port, http_port=i.http_port,
         rate_per_second=i.rate_per_second, burst=i.burst,
         metrics_allow_cidrs=tuple(i.metrics_allow_cidrs or ("127.0.0.1/32", "::1/128")),
-        read_timeout_s=i.read_timeout_s,
+        read_timeout_s=i.read_timeout_s, max_conns_per_address=i.max_conns_per_address,
+        client_max_body_size=i.client_max_body_size or body_size_for(cfg.engine.max_model_len),
     )
+
+
+def tls_paths(cfg: StackConfig) -> tuple[str, str]:
+    """Where the certificate chain and its key live on the host."""
+    if cfg.ingress.tls == "acme":
+        live = f"/etc/letsencrypt/live/{cfg.ingress.domain}"
+        return f"{live}/fullchain.pem", f"{live}/privkey.pem"
+    return f"{TLS_DIR}/server.pem", f"{TLS_DIR}/server.key"
 
 
 def render_files(cfg: StackConfig, server_name: str, cert_pem: str, key_pem: str) -> tuple[list[dict], list[dict]]:
     """Files to stage (uploaded) and where apply installs them."""
-    if cfg.ingress.tls == "acme":
-        cert_path = f"/etc/letsencrypt/live/{cfg.ingress.domain}/fullchain.pem"
-        key_path = f"/etc/letsencrypt/live/{cfg.ingress.domain}/privkey.pem"
-    else:
-        cert_path, key_path = f"{TLS_DIR}/server.pem", f"{TLS_DIR}/server.key"
+    cert_path, key_path = tls_paths(cfg)
     spec = spec_for(cfg, server_name, cert_path, key_path)
     staged, installs = [], []
     for f in ingress_install_plan(spec):
         name = f.path.rsplit("/", 1)[-1]
         staged.append({"path": f"{STAGED_DIR}/{name}", "mode": f"{f.mode:04o}", "content": f.content})
         installs.append({"name": name, "dest": f.path, "mode": f"{f.mode:04o}"})
+    dropin = NGINX_DROPIN_PATH.rsplit("/", 1)[-1]
+    staged.append({"path": f"{STAGED_DIR}/{dropin}", "mode": "0644", "content": render_nginx_dropin(spec)})
+    installs.append({"name": dropin, "dest": NGINX_DROPIN_PATH, "mode": "0644"})
     if cfg.ingress.tls != "acme":
         for name, dest, mode, content in (("server.pem", cert_path, "0644", cert_pem), ("server.key", key_path, "0600", key_pem)):
             staged.append({"path": f"{STAGED_DIR}/{name}", "mode": mode, "content": content})
             installs.append({"name": name, "dest": dest, "mode": mode})
     return staged, installs
+
+
+def step_scripts(cfg: StackConfig, installs: list[dict]) -> dict[str, str]:
+    """apply, check and destroy of the ingress step. On refresh a certificate near expiry is
+    drift (warned; the next up applies again); at the end of apply it only warns, so a short
+    test validity still deploys."""
+    i = cfg.ingress
+    kw = dict(conf_dir="/etc/nginx", staged_dir=STAGED_DIR, tls_dir=TLS_DIR, files=installs,
+              https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
+              tls_cert=tls_paths(cfg)[0], dropin=NGINX_DROPIN_PATH, renew_days=RENEW_BEFORE_DAYS,
+              renew_hint=RENEW_HINTS[i.tls])
+    check = {drift: templates.render("ingress/check.sh.j2", expiry_is_drift=drift, **kw) for drift in (True, False)}
+    return {"apply": templates.render("ingress/apply.sh.j2", check=check[False], **kw), "check": check[True],
+            "destroy": templates.render("ingress/destroy.sh.j2", **kw)}
 
 
 class NginxIngress(pulumi.ComponentResource):
@@ -81,7 +110,8 @@ class NginxIngress(pulumi.ComponentResource):
             ips = [a for a in {cfg.host.address, "127.0.0.1"} if a and _is_ip(a)]
             dns = sorted({n for n in (i.domain, cfg.host.address, "localhost") if n and not _is_ip(n)})
             cert = SelfSignedCertificate(f"{name}-cert", common_name=i.domain or cfg.host.address or "localhost",
-                                         dns_names=dns, ip_addresses=sorted(ips), opts=child)
+                                         dns_names=dns, ip_addresses=sorted(ips),
+                                         validity_days=i.cert_validity_days, opts=child)
             cert_pem, key_pem, self.ca_pem = cert.certPem, cert.keyPem, cert.caPem
         elif i.tls == "provided":
             cert_pem = pulumi.Output.secret(cfg.secrets.tls_cert)
@@ -96,12 +126,8 @@ class NginxIngress(pulumi.ComponentResource):
         staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))
         # Install paths, modes and the digest do not depend on the PEMs: render once with placeholders.
         placeholder_staged, installs = render_files(cfg, server_name, "<cert>", "<key>")
-        kw = dict(conf_dir="/etc/nginx", staged_dir=STAGED_DIR, tls_dir=TLS_DIR, files=installs,
-                  https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
-                  tls_cert=installs[0]["dest"])
-        check = templates.render("ingress/check.sh.j2", **kw)
+        scripts = step_scripts(cfg, installs)
         self.digest = templates.digest(placeholder_staged, i.tls)
         self.step = RemoteStep(f"{name}-nginx", label="nginx ingress", connection=conn, files=staged,
-                               apply=templates.render("ingress/apply.sh.j2", check=check, **kw), check=check,
-                               destroy=templates.render("ingress/destroy.sh.j2", **kw), opts=child)
+                               apply=scripts["apply"], check=scripts["check"], destroy=scripts["destroy"], opts=child)
         self.register_outputs({"endpoint": self.endpoint, "caPem": self.ca_pem})

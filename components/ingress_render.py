@@ -11,6 +11,9 @@ Rendered files (all live in ``spec.conf_dir``, ``/etc/nginx`` on a host):
 * ``fimfleet-site.conf``  0644  http-level config: TLS server, redirect, limits, upstream, ACLs
 * ``fimfleet-keys.conf``  0600  SECRET: bearer-key map and upstream key (included by the site)
 
+:func:`render_nginx_dropin` renders the systemd drop-in (``NGINX_DROPIN_PATH``) that gives
+the nginx unit the same descriptor limit as ``worker_rlimit_nofile`` (:func:`nofile_limit`).
+
 The main config is self-contained (it does not include Debian's ``sites-enabled``), so
 Debian's default site cannot grab port 80. It sets no ``daemon`` directive, because
 Debian's systemd unit passes ``-g 'daemon on; master_process on;'`` and a duplicate
@@ -24,10 +27,11 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import jinja2
 
+from components import grammar
 from components.templates import make_environment
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "files" / "nginx"
@@ -59,6 +63,45 @@ _PATH_RE = re.compile(r"^/[A-Za-z0-9._+@%,:=/-]*$")
 
 MIN_KEY_LENGTH = 16
 MAX_KEY_LENGTH = 512
+
+SSL_ECDH_CURVES = "X25519:prime256v1:secp384r1"
+"""Mozilla intermediate key-exchange groups (guidelines 5.7-6.0). 6.0 also lists the hybrid
+X25519MLKEM768, left out on purpose: it needs OpenSSL 3.5, Debian bookworm ships 3.0, and
+nginx refuses to start when OpenSSL does not know one group of the list."""
+
+BODY_BYTES_PER_TOKEN = 16
+"""Request bytes allowed per context token: code averages about 4 bytes a token, and JSON
+escaping (quotes, newlines, \\uXXXX for non-ASCII) can multiply that by up to 4."""
+BODY_ENVELOPE_KIB = 16
+"""Room for the rest of a completion request (model, stop tokens, sampling fields)."""
+
+NGINX_DROPIN_PATH = "/etc/systemd/system/nginx.service.d/fimfleet-limits.conf"
+"""systemd drop-in that sets the nginx unit's LimitNOFILE (see render_nginx_dropin)."""
+
+
+def body_size_for(max_model_len: int) -> str:
+    """client_max_body_size for an engine context of ``max_model_len`` tokens, in nginx syntax."""
+    return f"{-(-max_model_len * BODY_BYTES_PER_TOKEN // 1024) + BODY_ENVELOPE_KIB}k"
+
+
+# Bounds of the integer fields: the one rule for validate_spec and for config.py (see rule()).
+INT_RULES = {
+    "https_port": (1, 65535),
+    "http_port": (1, 65535),
+    "upstream_port": (1, 65535),
+    "rate_per_second": (1, 100000),
+    "burst": (0, 100000),
+    "read_timeout_s": (1, 86400),
+    "connect_timeout_s": (1, 300),
+    "keepalive": (1, 4096),
+    "upstream_keepalive_timeout_s": (1, 3600),
+    "client_header_timeout_s": (1, 3600),
+    "client_body_timeout_s": (1, 3600),
+    "send_timeout_s": (1, 3600),
+    "max_conns_per_address": (1, 65535),
+    "worker_connections": (16, 524288),
+    "hsts_max_age_s": (0, 10 * 365 * 86400),
+}
 
 
 @dataclass(frozen=True)
@@ -104,12 +147,24 @@ class IngressSpec:
     """How long nginx keeps an idle upstream connection. Must stay BELOW vLLM's
     ``--timeout-keep-alive`` (uvicorn default 5 s), or a POST can race a closing
     connection and fail with 502 (nginx does not retry non-idempotent requests)."""
-    client_max_body_size: str = "8m"
-    """Largest request body (nginx size syntax: 8m, 512k). FIM prompts carry context."""
+    client_max_body_size: str = body_size_for(8192)
+    """Largest request body (nginx size syntax: 144k, 1m). Derive it from the engine's context
+    with body_size_for(max_model_len); larger bodies get 413 before anything reaches vLLM."""
+    client_header_timeout_s: int = 10
+    """Time a client has to send its whole request header (it also bounds the TLS handshake)."""
+    client_body_timeout_s: int = 10
+    """Longest pause between two reads of a request body."""
+    send_timeout_s: int = 30
+    """Longest time a client may leave response data unread. It runs only while nginx has
+    bytes the client does not take, so an SSE stream waiting for a long prefill is bounded
+    by read_timeout_s alone."""
+    max_conns_per_address: int = 32
+    """Requests in progress per client address (limit_conn); idle keep-alive connections do not
+    count. Editors send one completion at a time, so 32 leaves room for a team behind one NAT."""
     worker_processes: Union[int, str] = "auto"
     """nginx worker_processes ("auto" = one per core)."""
     worker_connections: int = 1024
-    """nginx worker_connections."""
+    """nginx worker_connections (client and upstream connections together, per worker)."""
     worker_user: Optional[str] = "www-data"
     """User the workers run as when the master runs as root; None omits the directive."""
     conf_dir: str = "/etc/nginx"
@@ -148,9 +203,42 @@ def _redact(key: object) -> str:
     return f"<secret of {len(key)} chars>"
 
 
-def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+def _int_problem(value: object, lo: int, hi: int) -> Optional[str]:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        _fail(name, value, f"use an integer from {lo} to {hi}")
+        return f"use an integer from {lo} to {hi}"
+    return None
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if fix := _int_problem(value, lo, hi):
+        _fail(name, value, fix)
+
+
+def _size_problem(value: object) -> Optional[str]:
+    if not isinstance(value, str) or not _SIZE_RE.match(value):
+        return "use an nginx size such as '144k' or '1m'"
+    return None
+
+
+def setting_problem(name: str, value: object) -> Optional[str]:
+    """The renderer's rule for one setting: None when ``value`` is valid, else the fix.
+
+    ``name`` is an IngressSpec field (INT_RULES, ``client_max_body_size``) or
+    ``metrics_allow_cidr`` (one entry of ``metrics_allow_cidrs``)."""
+    if name in INT_RULES:
+        return _int_problem(value, *INT_RULES[name])
+    if name == "client_max_body_size":
+        return _size_problem(value)
+    if name == "metrics_allow_cidr":
+        return grammar.cidr(value)
+    raise KeyError(f"no ingress rule named {name!r}")
+
+
+def rule(name: str, allow_empty: bool = False) -> Callable[[object], Optional[str]]:
+    """``setting_problem`` for one setting, shaped as config.py's ``check``; with
+    ``allow_empty`` an empty string (meaning "derive it") passes."""
+    setting_problem(name, None)  # unknown names fail at import, not at the first bad value
+    return lambda value: None if allow_empty and value == "" else setting_problem(name, value)
 
 
 def _check_path(name: str, value: object) -> None:
@@ -186,8 +274,8 @@ def _check_bearer(name: str, value: object, what: str) -> None:
 def validate_spec(spec: IngressSpec) -> None:
     """Raise ValueError naming the field, the bad value and the fix."""
     _check_host("server_name", spec.server_name)
-    _check_int("https_port", spec.https_port, 1, 65535)
-    _check_int("http_port", spec.http_port, 1, 65535)
+    for name, (lo, hi) in INT_RULES.items():
+        _check_int(name, getattr(spec, name), lo, hi)
     if spec.https_port == spec.http_port:
         _fail("http_port", spec.http_port, "use a port different from https_port")
     if not spec.listen_addresses:
@@ -202,7 +290,6 @@ def validate_spec(spec: IngressSpec) -> None:
     _check_path("tls_cert_path", spec.tls_cert_path)
     _check_path("tls_key_path", spec.tls_key_path)
     _check_host("upstream_host", spec.upstream_host)
-    _check_int("upstream_port", spec.upstream_port, 1, 65535)
 
     if not isinstance(spec.api_keys, dict) or not spec.api_keys:
         _fail("api_keys", "<empty>", "give at least one key name -> key, e.g. {'alice': '<32+ random chars>'}")
@@ -219,30 +306,19 @@ def validate_spec(spec: IngressSpec) -> None:
     if spec.upstream_api_key is not None:
         _check_bearer("upstream_api_key", spec.upstream_api_key, "the upstream key")
 
-    _check_int("rate_per_second", spec.rate_per_second, 1, 100000)
-    _check_int("burst", spec.burst, 0, 100000)
     for cidr in spec.metrics_allow_cidrs:
-        try:
-            ipaddress.ip_network(cidr, strict=True)
-        except (ValueError, TypeError) as exc:
-            _fail("metrics_allow_cidrs", cidr, f"use CIDR networks such as '10.0.0.0/8' "
-                  f"or '127.0.0.1/32' ({exc})")
-    _check_int("read_timeout_s", spec.read_timeout_s, 1, 86400)
-    _check_int("connect_timeout_s", spec.connect_timeout_s, 1, 300)
-    _check_int("keepalive", spec.keepalive, 1, 4096)
-    _check_int("upstream_keepalive_timeout_s", spec.upstream_keepalive_timeout_s, 1, 3600)
-    if not isinstance(spec.client_max_body_size, str) or not _SIZE_RE.match(spec.client_max_body_size):
-        _fail("client_max_body_size", spec.client_max_body_size, "use an nginx size such as '8m' or '512k'")
+        if fix := setting_problem("metrics_allow_cidr", cidr):
+            _fail("metrics_allow_cidrs", cidr, fix)
+    if fix := _size_problem(spec.client_max_body_size):
+        _fail("client_max_body_size", spec.client_max_body_size, fix)
     if spec.worker_processes != "auto":
         _check_int("worker_processes", spec.worker_processes, 1, 1024)
-    _check_int("worker_connections", spec.worker_connections, 16, 1048576)
     if spec.worker_user is not None and (
         not isinstance(spec.worker_user, str) or not re.match(r"^[a-z_][a-z0-9_-]{0,31}$", spec.worker_user)
     ):
         _fail("worker_user", spec.worker_user, "use a POSIX user name such as 'www-data', or None")
     for name in ("conf_dir", "log_dir", "pid_path", "temp_dir"):
         _check_path(name, getattr(spec, name))
-    _check_int("hsts_max_age_s", spec.hsts_max_age_s, 0, 10 * 365 * 86400)
     if not isinstance(spec.stream_buffering, bool):
         _fail("stream_buffering", spec.stream_buffering, "use False (True is a test-only negative control)")
 
@@ -260,6 +336,11 @@ def _key_regex(key: str) -> str:
 def _listen(addr: str, port: int) -> str:
     ip = ipaddress.ip_address(addr)
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def nofile_limit(spec: IngressSpec) -> int:
+    """Descriptors per nginx process: a proxied request holds two (client and upstream)."""
+    return 2 * spec.worker_connections
 
 
 def _environment() -> jinja2.Environment:
@@ -283,6 +364,10 @@ def _context(spec: IngressSpec) -> dict:
         "key_entries": [(_key_regex(k), n) for n, k in sorted(spec.api_keys.items())],
         "upstream_authorization": f"Bearer {spec.upstream_api_key}" if spec.upstream_api_key else "",
         "json_errors": {code: _json_error_body(code) for code in _JSON_ERRORS},
+        "https_required": _https_required_body(f"https://{spec.server_name}{https_suffix}/v1/"),
+        "https_required_status": HTTPS_REQUIRED_STATUS,
+        "ecdh_curves": SSL_ECDH_CURVES,
+        "nofile": nofile_limit(spec),
     }
 
 
@@ -301,7 +386,8 @@ _JSON_ERRORS = {
     403: ("permission_error", "forbidden", "forbidden from this address"),
     404: ("invalid_request_error", "not_found", "no such endpoint; completions live under /v1/"),
     413: ("invalid_request_error", "request_too_large", "request body too large"),
-    429: ("rate_limit_error", "rate_limit_exceeded", "rate limit exceeded for this API key; retry shortly"),
+    429: ("rate_limit_error", "rate_limit_exceeded",
+          "too many requests: the rate limit of this API key or the concurrent request limit of this address was reached; retry shortly"),
     500: ("server_error", "internal_error", "internal proxy error"),
     502: ("server_error", "upstream_unavailable", "the model server is not reachable"),
     503: ("server_error", "service_unavailable", "the model server is unavailable"),
@@ -309,13 +395,27 @@ _JSON_ERRORS = {
 }
 
 
-def _json_error_body(code: int) -> str:
-    etype, ecode, message = _JSON_ERRORS[code]
+def _error_json(etype: str, ecode: str, message: str) -> str:
     body = json.dumps({"error": {"message": message, "type": etype, "code": ecode}},
                       separators=(",", ":"))
     # it is pasted into a single-quoted nginx string
     assert "'" not in body and "\\" not in body and "$" not in body, body
     return body
+
+
+def _json_error_body(code: int) -> str:
+    return _error_json(*_JSON_ERRORS[code])
+
+
+HTTPS_REQUIRED_STATUS = 403
+
+
+def _https_required_body(url: str) -> str:
+    """Port 80's answer on /v1/: a redirect would turn the POST into a failing GET and
+    invite the client to keep sending its key in cleartext."""
+    return _error_json("invalid_request_error", "https_required",
+                       f"plain HTTP is refused: use {url} (a key sent over http:// crossed the "
+                       "network unencrypted; rotate it)")
 
 
 def render_ingress(spec: IngressSpec) -> dict[str, str]:
@@ -327,6 +427,12 @@ def render_ingress(spec: IngressSpec) -> dict[str, str]:
     env = _environment()
     ctx = _context(spec)
     return {name: env.get_template(template).render(**ctx) for name, (template, _, _) in _FILES.items()}
+
+
+def render_nginx_dropin(spec: IngressSpec) -> str:
+    """systemd drop-in for nginx.service (install at NGINX_DROPIN_PATH, then daemon-reload)."""
+    validate_spec(spec)
+    return _environment().get_template("nginx-limits.conf.j2").render(nofile=nofile_limit(spec))
 
 
 @dataclass(frozen=True)
@@ -368,7 +474,16 @@ __all__ = [
     "IngressSpec",
     "IngressFile",
     "render_ingress",
+    "render_nginx_dropin",
     "ingress_install_plan",
+    "body_size_for",
+    "nofile_limit",
+    "setting_problem",
+    "rule",
+    "INT_RULES",
+    "SSL_ECDH_CURVES",
+    "NGINX_DROPIN_PATH",
+    "HTTPS_REQUIRED_STATUS",
     "validate_spec",
     "nginx_test_command",
     "nginx_reload_command",

@@ -1,9 +1,7 @@
 """Integration tests: the REAL nginx, rendered by components/ingress_render.py, in
-front of tests/integration/sse_upstream.py, all on 127.0.0.1.
+front of tests/integration/sse_upstream.py, all on 127.0.0.1 (harness: nginx_harness.py).
 
-Every nginx runs in the foreground (``-g 'daemon off;'``) under a temp prefix with
-high ports, and is stopped by PID in teardown, as is the upstream. Clients verify
-TLS against a test CA generated here (never ``verify=False``).
+Clients verify TLS against a test CA generated here (never ``verify=False``).
 
 Streaming is proven by measurement: the upstream stamps every SSE chunk with
 ``time.monotonic()`` right before it writes it (CLOCK_MONOTONIC is system-wide), the
@@ -18,10 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import secrets
-import shutil
-import signal
 import socket
 import ssl
 import statistics
@@ -29,7 +24,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
 
 import httpx
 import pytest
@@ -38,240 +32,17 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from components.ingress_render import INGRESS_FILE_MODES, MAIN_CONF, IngressSpec, render_ingress  # noqa: E402
+# Other test modules import Nginx, free_port and make_tls from here: keep them re-exported.
+from tests.integration.nginx_harness import (  # noqa: E402,F401
+    BURST, CHUNK_DELAY_MS, CHUNKS, FIRST_DELAY_MS, RATE, SERVER_NAME, Nginx, TlsFiles, bearer, client, free_port,
+    keys, make_tls, start_nginx, tls, upstream,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-UPSTREAM_SCRIPT = Path(__file__).with_name("sse_upstream.py")
-SERVER_NAME = "fimfleet.test"
-
-CHUNKS = 6                 # chunks per measured stream
-CHUNK_DELAY_MS = 100       # upstream gap between chunks: buffering would hold chunks this long
-FIRST_DELAY_MS = 50        # simulated prefill before chunk 0
 MAX_CHUNK_LAG_S = 0.020    # per-chunk (client receive - upstream send), median over streams
 HARD_CHUNK_LAG_S = CHUNK_DELAY_MS / 2000  # no single chunk may be held half a gap
 MAX_TTFT_OVERHEAD_S = 0.020
-RATE, BURST = 10, 5
-
-# ./fimfleet bootstrap installs nginx; a missing binary is a failure, not a skip.
-assert os.access(NGINX, os.X_OK), f"nginx binary not found at {NGINX}: run ./fimfleet bootstrap"
-
-
-# ----------------------------------------------------------------------- helpers
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
-def children_of(pid: int) -> set[int]:
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            kids.add(int(entry))
-    return kids
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def stop_process(proc: subprocess.Popen, first_signal: int, extra_pids: set[int] = frozenset()) -> None:
-    """Stop ``proc`` (and leftover ``extra_pids``) by PID, escalating to SIGKILL."""
-    for sig, grace in ((first_signal, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            break
-        try:
-            os.kill(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-    for pid in extra_pids:
-        if pid_alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-@dataclasses.dataclass
-class TlsFiles:
-    ca: Path
-    cert: Path
-    key: Path
-
-    def context(self) -> ssl.SSLContext:
-        return ssl.create_default_context(cafile=str(self.ca))
-
-
-def make_tls(directory: Path) -> TlsFiles:
-    """A test CA and a server certificate for fimfleet.test, 127.0.0.1 and ::1 (the product's own issuer)."""
-    from components.tls import issue
-
-    pems = issue(SERVER_NAME, [SERVER_NAME], ["127.0.0.1", "::1"], days=1)
-    files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server.key")
-    files.ca.write_text(pems["caPem"])
-    files.cert.write_text(pems["certPem"])
-    files.key.write_text(pems["keyPem"])
-    files.key.chmod(0o600)
-    return files
-
-
-class Upstream:
-    """sse_upstream.py as a subprocess on 127.0.0.1 (port chosen by the kernel)."""
-
-    def __init__(self, workdir: Path):
-        port_file = workdir / "upstream.port"
-        self.log = open(workdir / "upstream.log", "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(UPSTREAM_SCRIPT), "--port", "0", "--port-file", str(port_file),
-             "--chunks", str(CHUNKS), "--delay-ms", str(CHUNK_DELAY_MS),
-             "--first-delay-ms", str(FIRST_DELAY_MS)],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        try:
-            wait_for(lambda: port_file.exists() or self.proc.poll() is not None, 15, "sse_upstream port file")
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sse_upstream exited: {(workdir / 'upstream.log').read_text()}")
-            self.port = int(port_file.read_text())
-            wait_for(lambda: port_open("127.0.0.1", self.port), 10, "sse_upstream to listen")
-        except Exception:
-            self.stop()
-            raise
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        stop_process(self.proc, signal.SIGTERM)
-        self.log.close()
-
-
-class Nginx:
-    """A real nginx in the foreground under ``prefix`` (unprivileged layout)."""
-
-    def __init__(self, prefix: Path, tls: TlsFiles, upstream_port: int, **overrides):
-        self.prefix = prefix
-        for sub in ("logs", "tmp"):
-            (prefix / sub).mkdir(parents=True, exist_ok=True)
-        self.https_port, self.http_port = free_port(), free_port()
-        kwargs = dict(
-            server_name=SERVER_NAME, tls_cert_path=str(tls.cert), tls_key_path=str(tls.key),
-            upstream_port=upstream_port, api_keys={}, https_port=self.https_port,
-            http_port=self.http_port, listen_addresses=("127.0.0.1", "::1"),
-            rate_per_second=RATE, burst=BURST, metrics_allow_cidrs=("127.0.0.0/8", "::1/128"),
-            conf_dir=str(prefix), log_dir=str(prefix / "logs"), pid_path=str(prefix / "nginx.pid"),
-            temp_dir=str(prefix / "tmp"), worker_processes=2,
-            # as root, workers would default to "nobody", which cannot enter the 0700 tmp dir
-            worker_user="root" if os.geteuid() == 0 else None,
-        )
-        kwargs.update(overrides)
-        self.spec = IngressSpec(**kwargs)
-        self.proc: Optional[subprocess.Popen] = None
-        self.seen_workers: set[int] = set()
-
-    def _write(self) -> None:
-        for name, content in render_ingress(self.spec).items():
-            path = self.prefix / name
-            path.write_text(content)
-            path.chmod(INGRESS_FILE_MODES[name])
-        check = subprocess.run([NGINX, "-t", "-q", "-p", str(self.prefix), "-c", str(self.prefix / MAIN_CONF)],
-                               capture_output=True, text=True, timeout=30)
-        assert check.returncode == 0, check.stderr
-
-    def start(self) -> "Nginx":
-        self._write()
-        self.stderr = open(self.prefix / "nginx.stderr", "wb")
-        self.proc = subprocess.Popen(
-            [NGINX, "-p", str(self.prefix), "-c", str(self.prefix / MAIN_CONF), "-g", "daemon off;"],
-            stdout=self.stderr, stderr=subprocess.STDOUT,
-        )
-        try:
-            wait_for(lambda: self.proc.poll() is not None or (
-                port_open("127.0.0.1", self.https_port) and len(children_of(self.proc.pid)) >= 2), 15,
-                "nginx to listen")
-            assert self.proc.poll() is None, f"nginx exited: {self.logs()}"
-        except Exception:
-            self.stop()
-            raise
-        self.seen_workers |= children_of(self.proc.pid)
-        return self
-
-    def reload(self, **overrides) -> None:
-        """Re-render with ``overrides``, SIGHUP the master, wait until every old worker
-        is gone and new ones serve (bounded)."""
-        old = children_of(self.proc.pid)
-        self.spec = dataclasses.replace(self.spec, **overrides)
-        self._write()
-        os.kill(self.proc.pid, signal.SIGHUP)
-        wait_for(lambda: (kids := children_of(self.proc.pid)) and not (kids & old), 15,
-                 f"nginx workers to be replaced after reload; logs: {self.logs()}")
-        self.seen_workers |= children_of(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.seen_workers |= children_of(self.proc.pid)
-            stop_process(self.proc, signal.SIGQUIT, self.seen_workers)
-            self.stderr.close()
-            self.proc = None
-
-    def url(self, path: str, host: str = "127.0.0.1") -> str:
-        return f"https://{'[::1]' if host == '::1' else host}:{self.https_port}{path}"
-
-    def logs(self) -> str:
-        out = []
-        for name in ("nginx.stderr", "logs/fimfleet-error.log"):
-            p = self.prefix / name
-            if p.exists():
-                out.append(f"--- {name}\n{p.read_text(errors='replace')}")
-        return "\n".join(out)
-
-    def access_log(self) -> list[dict]:
-        path = self.prefix / "logs" / "fimfleet-access.log"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def bearer(key: str) -> dict:
-    return {"Authorization": f"Bearer {key}"}
 
 
 @dataclasses.dataclass
@@ -335,56 +106,46 @@ def ms(values) -> list[float]:
     return [round(v * 1000, 2) for v in values]
 
 
-# ----------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory) -> TlsFiles:
-    return make_tls(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    up = Upstream(tmp_path_factory.mktemp("upstream"))
-    yield up
-    up.stop()
-
-
-@pytest.fixture(scope="module")
-def keys() -> dict[str, str]:
-    return {name: secrets.token_urlsafe(24) for name in ("alice", "bob", "carol")}
-
-
-@pytest.fixture
-def start_nginx(tmp_path, tls, upstream, keys):
-    started: list[Nginx] = []
-
-    def _start(name: str = "nginx", **overrides) -> Nginx:
-        overrides.setdefault("api_keys", keys)
-        overrides.setdefault("upstream_port", upstream.port)
-        ngx = Nginx(tmp_path / name, tls, **overrides)
-        started.append(ngx)
-        return ngx.start()
-
-    yield _start
-    for ngx in started:
-        ngx.stop()
-
-
-@pytest.fixture
-def client(tls):
-    with httpx.Client(verify=tls.context(), timeout=httpx.Timeout(10.0)) as c:
-        yield c
-
-
 # -------------------------------------------------------------------------- tests
 
 
-def test_http_redirects_to_https(start_nginx, client):
+def test_plain_http_refuses_the_api_and_redirects_the_rest(start_nginx, keys):
+    """A client misconfigured with http:// gets a JSON "use https" instead of a redirect that
+    turns its POST into a GET, and port 80 logs nothing derived from its key."""
     ngx = start_nginx()
-    resp = httpx.get(f"http://127.0.0.1:{ngx.http_port}/v1/models?x=1", timeout=5)
-    assert resp.status_code == 301
-    assert resp.headers["location"] == f"https://{SERVER_NAME}:{ngx.https_port}/v1/models?x=1"
+    base = f"http://127.0.0.1:{ngx.http_port}"
+    for method in ("GET", "POST"):
+        resp = httpx.request(method, f"{base}/v1/completions", headers=bearer(keys["alice"]),
+                             json={"prompt": "x"}, timeout=5)
+        assert resp.status_code == 403, method
+        assert resp.headers["content-type"] == "application/json"
+        assert "location" not in resp.headers
+        error = resp.json()["error"]
+        assert error["code"] == "https_required"
+        assert f"https://{SERVER_NAME}:{ngx.https_port}/v1/" in error["message"]
+        assert keys["alice"] not in resp.text and "alice" not in resp.text
+    # everything else, the ACME challenge path included, keeps the 301 (query string kept)
+    for path in ("/", "/v1", "/health?x=1", "/.well-known/acme-challenge/token-123"):
+        resp = httpx.get(base + path, headers=bearer(keys["bob"]), timeout=5)
+        assert resp.status_code == 301, path
+        assert resp.headers["location"] == f"https://{SERVER_NAME}:{ngx.https_port}{path}"
+    log = (ngx.prefix / "logs" / "fimfleet-access.log").read_text()
+    plain = [json.loads(line) for line in log.splitlines()]
+    assert len(plain) == 6 and {e["scheme"] for e in plain} == {"http"}
+    assert all("key" not in e for e in plain)
+    for secret in (keys["alice"], keys["bob"], "alice", "bob"):
+        assert secret not in log
+
+
+def test_body_over_the_limit_gets_json_413(start_nginx, client, keys):
+    ngx = start_nginx(client_max_body_size="16k")
+    url, headers = ngx.url("/v1/completions"), bearer(keys["alice"])
+    small = {"model": "sse-test", "prompt": "x" * 15000, "max_tokens": 1}
+    assert client.post(url, headers=headers, json=small).status_code == 200
+    resp = client.post(url, headers=headers, json={**small, "prompt": "x" * 17000})
+    assert resp.status_code == 413
+    assert resp.headers["content-type"] == "application/json"
+    assert resp.json()["error"]["code"] == "request_too_large"
 
 
 def test_bearer_keys_each_key_works_others_401(start_nginx, client, keys, upstream):
@@ -524,7 +285,12 @@ def test_upstream_down_gives_json_502(start_nginx, client, keys):
     assert resp.json()["error"]["code"] == "upstream_unavailable"
 
 
-def test_tls_versions_and_session_resumption(start_nginx, tls):
+def openssl_handshake(port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-servername", SERVER_NAME,
+                           *args], input="", capture_output=True, text=True, timeout=30)
+
+
+def test_tls_versions_groups_and_no_session_resumption(start_nginx, tls):
     ngx = start_nginx()
     for version in (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3):
         ctx = tls.context()
@@ -532,7 +298,16 @@ def test_tls_versions_and_session_resumption(start_nginx, tls):
         with socket.create_connection(("127.0.0.1", ngx.https_port), timeout=5) as raw:
             with ctx.wrap_socket(raw, server_hostname=SERVER_NAME) as s:
                 assert s.version() == version.name.replace("v1_", "v1.")
-    # the shared session cache resumes TLS 1.2 sessions
+    # key exchange: Mozilla intermediate's groups only (secp521r1 and X448 used to be accepted)
+    for group, accepted in (("X25519", True), ("P-256", True), ("P-384", True), ("P-521", False), ("X448", False)):
+        out = openssl_handshake(ngx.https_port, "-groups", group, "-tls1_3")
+        assert (out.returncode == 0) is accepted, (group, out.stdout[-500:], out.stderr[-500:])
+    # TLS 1.2 also needs P-256 offered for the ECDSA P-256 certificate: the client prefers
+    # the refused groups, the server skips them
+    for offered, temp_key in (("X448:P-521:X25519:P-256", "X25519"), ("X448:P-521:P-384:P-256", "secp384r1")):
+        out = openssl_handshake(ngx.https_port, "-groups", offered, "-tls1_2")
+        assert out.returncode == 0 and f"Server Temp Key: {temp_key}" in out.stdout.replace("ECDH, ", ""), out.stdout
+    # no session resumption (no cache, no tickets): a TLS 1.2 session is not resumed
     ctx = tls.context()
     ctx.maximum_version = ssl.TLSVersion.TLSv1_2
     with socket.create_connection(("127.0.0.1", ngx.https_port), timeout=5) as raw:
@@ -540,7 +315,7 @@ def test_tls_versions_and_session_resumption(start_nginx, tls):
             session = s.session
     with socket.create_connection(("127.0.0.1", ngx.https_port), timeout=5) as raw:
         with ctx.wrap_socket(raw, server_hostname=SERVER_NAME, session=session) as s:
-            assert s.session_reused
+            assert not s.session_reused
 
 
 def test_sse_chunks_pass_through_unbuffered_and_ttft_matches_direct(start_nginx, client, keys, upstream, record_property):

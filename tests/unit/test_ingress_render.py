@@ -6,7 +6,7 @@ self-signed certificate generated here.
 
 from __future__ import annotations
 
-import datetime
+import configparser
 import json
 import os
 import re
@@ -18,6 +18,9 @@ import pytest
 
 
 from components.ingress_render import (
+    INT_RULES,
+    NGINX_DROPIN_PATH,
+    SSL_ECDH_CURVES,
     INGRESS_FILE_MODES,
     INGRESS_SECRET_FILES,
     KEYS_CONF,
@@ -26,13 +29,19 @@ from components.ingress_render import (
     IngressSpec,
     ingress_install_plan,
     nginx_reload_command,
+    body_size_for,
     nginx_test_command,
+    nofile_limit,
     render_ingress,
+    render_nginx_dropin,
+    rule,
+    setting_problem,
 )
+from components.tls import issue
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-HAVE_NGINX = os.access(NGINX, os.X_OK)
-needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason=f"nginx binary not found at {NGINX}")
+# ./fimfleet bootstrap installs nginx; a missing binary is a failure, not a skip.
+assert os.access(NGINX, os.X_OK), f"nginx binary not found at {NGINX}: run ./fimfleet bootstrap"
 
 KEYS = {
     "alice": "sk-alice-0123456789abcdefABCDEF",
@@ -42,31 +51,10 @@ KEYS = {
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fimfleet.test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("fimfleet.test")]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
+    pems = issue("fimfleet.test", ["fimfleet.test"], [], days=1)  # the product's own issuer
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                          serialization.NoEncryption())
-    )
+    cert_path.write_text(pems["certPem"])
+    key_path.write_text(pems["keyPem"])
     key_path.chmod(0o600)
     return cert_path, key_path
 
@@ -116,10 +104,9 @@ def nginx_t(prefix: Path) -> subprocess.CompletedProcess:
     )
 
 
-def location_block(site: str, header: str) -> str:
-    """Text of the location block that starts with ``header`` (no nested blocks used
-    except the one-line ``if``)."""
-    start = site.index(header)
+def location_block(site: str, header: str, start: int = 0) -> str:
+    """Text of the block that starts with ``header`` at or after ``start``."""
+    start = site.index(header, start)
     depth, i = 0, site.index("{", start)
     while True:
         if site[i] == "{":
@@ -129,6 +116,15 @@ def location_block(site: str, header: str) -> str:
             if depth == 0:
                 return site[start:i + 1]
         i += 1
+
+
+def server_block(site: str, tls: bool) -> str:
+    """The TLS server block, or the plain-HTTP one."""
+    blocks, pos = [], 0
+    while (pos := site.find("\nserver {", pos)) != -1:
+        blocks.append(location_block(site, "server {", pos))
+        pos += 1
+    return next(b for b in blocks if (" ssl;" in b) is tls)
 
 
 # ----------------------------------------------------------------- real nginx -t
@@ -150,7 +146,6 @@ VALID_VARIANTS = {
 }
 
 
-@needs_nginx
 @pytest.mark.parametrize("variant", sorted(VALID_VARIANTS))
 def test_real_nginx_accepts_rendered_config(variant, tmp_path, tls):
     spec = make_spec(tmp_path / "prefix", tls, **VALID_VARIANTS[variant])
@@ -162,7 +157,6 @@ def test_real_nginx_accepts_rendered_config(variant, tmp_path, tls):
     assert str(tmp_path / "prefix" / MAIN_CONF) in result.stderr
 
 
-@needs_nginx
 def test_real_nginx_t_can_fail(tmp_path, tls):
     """Negative control for the harness: a missing certificate must fail nginx -t."""
     spec = make_spec(tmp_path / "prefix", tls, tls_cert_path=str(tmp_path / "missing.pem"))
@@ -172,7 +166,6 @@ def test_real_nginx_t_can_fail(tmp_path, tls):
     assert "missing.pem" in result.stderr
 
 
-@needs_nginx
 def test_real_nginx_rejects_a_corrupted_keys_file(tmp_path, tls):
     spec = make_spec(tmp_path / "prefix", tls)
     write_render(spec)
@@ -268,7 +261,7 @@ def test_logging_uses_key_name_never_the_header(tmp_path, tls):
 
 def test_streaming_location(tmp_path, tls):
     site = render_ingress(make_spec(tmp_path, tls, read_timeout_s=900, burst=7, rate_per_second=3))[SITE_CONF]
-    v1 = location_block(site, "location /v1/ {")
+    v1 = location_block(server_block(site, tls=True), "location /v1/ {")
     for line in ("proxy_buffering off;", "proxy_cache off;", 'add_header X-Accel-Buffering "no" always;',
                  "tcp_nodelay on;", "gzip off;", "proxy_read_timeout 900s;", "proxy_send_timeout 900s;",
                  "limit_req zone=fimfleet_per_key burst=7 nodelay;", "proxy_pass http://fimfleet_vllm;",
@@ -282,18 +275,17 @@ def test_streaming_location(tmp_path, tls):
     assert "limit_req zone=fimfleet_per_key nodelay;" in zero  # nginx rejects burst=0
     # the negative control flips exactly the buffering
     buffered = render_ingress(make_spec(tmp_path, tls, stream_buffering=True))[SITE_CONF]
-    v1b = location_block(buffered, "location /v1/ {")
+    v1b = location_block(server_block(buffered, tls=True), "location /v1/ {")
     assert "proxy_buffering on;" in v1b and "proxy_buffering off;" not in v1b
 
 
 def test_tls_and_security_headers(tmp_path, tls):
     site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
-    assert "ssl_protocols TLSv1.2 TLSv1.3;" in site
-    assert "ssl_session_cache shared:fimfleet_tls:10m;" in site
     assert "return 301 https://fimfleet.test:18443$request_uri;" in site
     # add_header is not inherited by a location that has its own: check every location
-    for header in re.findall(r"^\s*(location [^{]+\{)", site, re.M):
-        block = location_block(site, header)
+    https = server_block(site, tls=True)
+    for header in re.findall(r"^\s*(location [^{]+\{)", https, re.M):
+        block = location_block(https, header)
         if "return 301" in block or "return 404;" in block:
             continue
         for h in ("Strict-Transport-Security", "X-Content-Type-Options", "X-Frame-Options",
@@ -371,6 +363,13 @@ INVALID = [
     ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("10.0.0.1/8",))),
     ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("not-a-cidr",))),
     ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("10.0.0.0/33",))),
+    ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("0.0.0.0/0",))),
+    ("metrics_allow_cidrs", dict(metrics_allow_cidrs=("10.0.0.0/8", "::/0"))),
+    ("client_header_timeout_s", dict(client_header_timeout_s=0)),
+    ("client_body_timeout_s", dict(client_body_timeout_s=3601)),
+    ("send_timeout_s", dict(send_timeout_s="30s")),
+    ("max_conns_per_address", dict(max_conns_per_address=0)),
+    ("worker_connections", dict(worker_connections=8)),
     ("read_timeout_s", dict(read_timeout_s=0)),
     ("keepalive", dict(keepalive=0)),
     ("client_max_body_size", dict(client_max_body_size="8 MB")),
@@ -400,3 +399,87 @@ def test_error_message_names_value_and_fix(tmp_path, tls):
         make_spec(tmp_path, tls, metrics_allow_cidrs=("10.0.0.1/8",))
     with pytest.raises(ValueError, match=r"IngressSpec\.https_port: invalid value 0; use an integer from 1 to 65535"):
         make_spec(tmp_path, tls, https_port=0)
+    with pytest.raises(ValueError, match=r"metrics_allow_cidrs: invalid value '192\.168\.10\.5/24'.*192\.168\.10\.0/24"):
+        make_spec(tmp_path, tls, metrics_allow_cidrs=("192.168.10.5/24",))
+    with pytest.raises(ValueError, match=r"metrics_allow_cidrs: invalid value '::/0'.*whole internet"):
+        make_spec(tmp_path, tls, metrics_allow_cidrs=("::/0",))
+
+
+# ------------------------------------------------------------- issue 20 hardening
+
+MOZILLA_INTERMEDIATE_CIPHERS = {  # ssl-config.mozilla.org guidelines 6.0, intermediate
+    "ECDHE-ECDSA-AES128-GCM-SHA256", "ECDHE-RSA-AES128-GCM-SHA256", "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "ECDHE-RSA-AES256-GCM-SHA384", "ECDHE-ECDSA-CHACHA20-POLY1305", "ECDHE-RSA-CHACHA20-POLY1305"}
+MOZILLA_INTERMEDIATE_GROUPS = {"X25519MLKEM768", "X25519", "prime256v1", "secp384r1"}
+
+
+def directive(text: str, name: str) -> str:
+    values = re.findall(rf"^\s*{name} ([^;]+);", text, re.M)
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_tls_follows_mozilla_intermediate(tmp_path, tls):
+    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    assert directive(site, "ssl_protocols") == "TLSv1.2 TLSv1.3"
+    assert set(directive(site, "ssl_ciphers").split(":")) == MOZILLA_INTERMEDIATE_CIPHERS
+    curves = directive(site, "ssl_ecdh_curve").split(":")
+    assert curves == SSL_ECDH_CURVES.split(":") and set(curves) < MOZILLA_INTERMEDIATE_GROUPS
+    assert "secp521r1" not in curves and "X448" not in curves
+    assert directive(site, "ssl_session_cache") == "off" and directive(site, "ssl_session_tickets") == "off"
+
+
+def test_slow_client_limits_and_descriptors(tmp_path, tls):
+    spec = make_spec(tmp_path, tls, client_header_timeout_s=7, client_body_timeout_s=8, send_timeout_s=45,
+                     max_conns_per_address=5, worker_connections=3000, read_timeout_s=900)
+    files = render_ingress(spec)
+    site, main = files[SITE_CONF], files[MAIN_CONF]
+    assert [directive(site, d) for d in ("client_header_timeout", "client_body_timeout", "send_timeout")] == \
+        ["7s", "8s", "45s"]
+    assert directive(site, "reset_timedout_connection") == "on"
+    assert directive(site, "limit_conn_zone") == "$binary_remote_addr zone=fimfleet_per_addr:10m"
+    assert directive(site, "limit_conn") == "fimfleet_per_addr 5" and directive(site, "limit_conn_status") == "429"
+    # the streaming read timeout is not the slow-client one
+    assert "proxy_read_timeout 900s;" in location_block(server_block(site, tls=True), "location /v1/ {")
+    assert directive(main, "worker_rlimit_nofile") == "6000" == str(nofile_limit(spec))
+    dropin = configparser.ConfigParser()
+    dropin.read_string(render_nginx_dropin(spec))
+    assert dict(dropin["Service"]) == {"limitnofile": "6000"} and NGINX_DROPIN_PATH.endswith(".conf")
+
+
+def test_body_size_is_derived_from_the_context():
+    assert body_size_for(8192) == "144k" and body_size_for(32768) == "528k" and body_size_for(1024) == "32k"
+    sizes = [int(body_size_for(n)[:-1]) for n in (256, 1024, 8192, 32768, 131072)]
+    assert sizes == sorted(sizes) and all(k * 1024 >= n * 16 for k, n in zip(sizes, (256, 1024, 8192, 32768, 131072)))
+    assert IngressSpec.__dataclass_fields__["client_max_body_size"].default == "144k"
+
+
+def test_plain_http_answers_the_api_with_use_https_and_logs_no_key(tmp_path, tls):
+    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    plain = server_block(site, tls=False)
+    v1 = location_block(plain, "location /v1/ {")
+    body = re.search(r"return 403 '(.*)\\n';", v1).group(1)
+    error = json.loads(body)["error"]
+    assert error["code"] == "https_required" and "https://fimfleet.test:18443/v1/" in error["message"]
+    assert "default_type application/json;" in v1 and "$" not in v1
+    assert "return 301 https://fimfleet.test:18443$request_uri;" in location_block(plain, "location / {")
+    assert "acme-challenge" not in plain  # the challenge path falls under the 301, as before
+    assert f"access_log {tmp_path}/logs/fimfleet-access.log fimfleet_plain;" in plain
+    fmt = site[site.index("log_format fimfleet_plain"):]
+    fmt = fmt[:fmt.index(";")]
+    assert "$" in fmt and "$fimfleet" not in fmt and "$http_authorization" not in fmt
+
+
+def test_config_checks_are_the_renderer_rules():
+    assert setting_problem("metrics_allow_cidr", "10.0.0.0/8") is None
+    assert "192.168.10.0/24" in setting_problem("metrics_allow_cidr", "192.168.10.5/24")
+    for everyone in ("0.0.0.0/0", "::/0"):
+        assert "whole internet" in setting_problem("metrics_allow_cidr", everyone)
+    assert rule("max_conns_per_address")(0) == "use an integer from 1 to 65535"
+    assert rule("max_conns_per_address")(32) is None and rule("send_timeout_s")(30) is None
+    assert rule("client_max_body_size", allow_empty=True)("") is None
+    assert rule("client_max_body_size")("") and rule("client_max_body_size")("1 m")
+    assert set(INT_RULES) <= set(IngressSpec.__dataclass_fields__)
+    with pytest.raises(KeyError):
+        rule("no_such_setting")
+

@@ -12,6 +12,7 @@ import pytest
 
 from components import config, grammar, host, kernel, monitor, runtime
 from components.ingress import render_files as ingress_files
+from components.ingress import step_scripts as ingress_scripts
 from tests.helpers import raw_config
 
 KNOWN_SYSCTLS = grammar.known_sysctls()
@@ -95,13 +96,10 @@ def scripts(cfg):
     yield "start", templates.render("runtime/start.sh.j2", timeout_s=60, served_name="m", port=8000, **kw)
     yield "runtime-check", templates.render("runtime/check.sh.j2", **kw)
     yield "runtime-destroy", templates.render("runtime/destroy.sh.j2", **kw)
-    staged, installs = ingress_files(cfg, "example.com", "CERT", "KEY")
-    ikw = dict(conf_dir="/etc/nginx", staged_dir="/etc/fimfleet/nginx-staged", tls_dir="/etc/fimfleet/tls",
-               files=installs, https_port=443, acme=True, acme_email="ops@example.com", domain="example.com",
-               tls_cert="/etc/x.pem")
-    check = templates.render("ingress/check.sh.j2", **ikw)
-    yield "ingress-apply", templates.render("ingress/apply.sh.j2", check=check, **ikw)
-    yield "ingress-destroy", templates.render("ingress/destroy.sh.j2", **ikw)
+    acme = cfg_for(cfg.tier.name, ingress={"tls": "acme", "domain": "example.com", "acmeEmail": "ops@example.com"})
+    for c, tag in ((cfg, ""), (acme, "-acme")):
+        for step, body in ingress_scripts(c, ingress_files(c, "example.com", "CERT", "KEY")[1]).items():
+            yield f"ingress-{step}{tag}", body
     n = monitor.names("node")
     mkw = dict(unit=r.unit, unit_base="vllm-node", interval_s=15, watchdog=True, **n)
     for t in ("apply", "check", "destroy"):
