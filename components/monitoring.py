@@ -1,0 +1,472 @@
+"""Monitoring: Prometheus scraping every node's vLLM and node_exporter, with rules from the SLA.
+
+Debian's `prometheus` and `prometheus-node-exporter` are installed with apt, as a user would,
+with their /etc/default ARGS written BEFORE the install: postinst starts the daemons at once,
+and Debian's own ARGS listen on every address. Prometheus listens on loopback only; the UI is
+reached through the SSH tunnel printed as an output. vLLM's /metrics is scraped through each
+node's ingress over verified TLS. Recording and alert rules are rendered from the stack's own
+numbers (files/prometheus/), so a tighter SLA gives tighter alerts. The deep probe's state
+(files/prometheus/monitor-textfile.sh) and the last SLA gate report reach Prometheus through
+node_exporter's textfile collector. Alertmanager (a webhook) is optional and off by default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from urllib.parse import urlsplit
+
+import pulumi
+
+from components import templates
+from components.config import ConfigError, Problem
+from components.remote import RemoteStep
+
+CONFIG_DIR = "/etc/prometheus/fimfleet"
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+"""Debian's node_exporter reads *.prom files here by default."""
+MONITOR_RUN_DIR = "/run/fimfleet"
+"""files/monitor/recover.sh keeps its state in monitor-<unit without .service>/ below this."""
+STAGED_DIR = "/etc/fimfleet/monitoring"
+"""/etc/default files as fimfleet wants them; packages.sh installs them before apt runs."""
+HELPER = "/usr/local/lib/fimfleet/monitor-textfile.sh"
+HELPER_ENV = "/etc/fimfleet/monitor-textfile.env"
+HELPER_STATE = "/var/lib/fimfleet/monitor-textfile"
+HELPER_UNIT = "fimfleet-monitor-textfile"
+PACKAGE_RECORD = "/var/lib/fimfleet/monitoring-{role}-packages"
+QUANTILES = (("50", 0.5), ("95", 0.95), ("99", 0.99))
+RULE_GROUPS = ("fimfleet-vllm", "fimfleet-host", "fimfleet-probe", "fimfleet-limits", "fimfleet-alerts")
+VMSTAT_FIELDS = "^(oom_kill|pgpg|pswp|pg.*fault|thp_.*).*"
+"""Debian's default vmstat fields plus the THP counters (thp_fault_alloc, thp_collapse_alloc, ...)."""
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+UNIT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}\.service$")
+DURATION_RE = re.compile(r"^[1-9][0-9]{0,5}[smhdw]$")
+PATH_RE = re.compile(r"^/[A-Za-z0-9_./-]*$")
+LOOPBACK = ("127.0.0.1", "[::1]", "localhost")
+
+
+@dataclass(frozen=True)
+class ScrapeNode:
+    """One node's vLLM, scraped through its ingress."""
+
+    name: str
+    """The `node` label on every series of this node."""
+    metrics_url: str
+    """The ingress's /metrics over https, e.g. https://10.0.0.5:443/metrics."""
+    ca_pem: str = ""
+    """CA the ingress certificate chains to ("" = the system CAs, e.g. an ACME certificate)."""
+    server_name: str = ""
+    """Name to verify in the certificate when the URL's host is not in it."""
+    allow_cidrs: tuple[str, ...] = ("127.0.0.1/32", "::1/128")
+    """The ingress's metricsAllowCidrs: the scraper's address must be inside one of them."""
+
+
+@dataclass(frozen=True)
+class ExporterTarget:
+    """A node_exporter that Prometheus scrapes."""
+
+    host: str
+    """The `host` label on its series."""
+    address: str = "127.0.0.1:9100"
+    """host:port it listens on, as Prometheus reaches it."""
+    role: str = "node"
+    """node or gateway: which down-alert it raises."""
+
+
+@dataclass(frozen=True)
+class ExporterArgs:
+    """node_exporter and the deep-probe textfile export on one host."""
+
+    host: str
+    """The host's name (the `host` label)."""
+    listen: str = "127.0.0.1:9100"
+    """Where node_exporter listens. Anything but loopback must be firewalled to the Prometheus host."""
+    monitors: tuple[tuple[str, str], ...] = ()
+    """(node, engine unit) pairs whose deep-probe state is exported (files/monitor/recover.sh)."""
+    watched_units: tuple[str, ...] = ("nginx.service",)
+    """systemd units whose restarts node_exporter counts, besides the engine units."""
+    interval_s: int = 15
+    """How often the textfile export runs (at most the monitor's interval, so no restart is missed)."""
+    textfile_dir: str = TEXTFILE_DIR
+    run_dir: str = MONITOR_RUN_DIR
+    state_dir: str = HELPER_STATE
+
+
+@dataclass(frozen=True)
+class MonitoringArgs:
+    """Everything the Prometheus host needs; thresholds come from the stack's SLA and tier."""
+
+    nodes: tuple[ScrapeNode, ...]
+    exporters: tuple[ExporterTarget, ...]
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    ttft_p99_ms: float
+    """The SLA's TTFT limits; p99 is also the alert threshold."""
+    min_decode_tokens_per_s: float
+    """The SLA's per-request decode floor (0 = no decode alert)."""
+    decode_ceiling_tokens_per_s: float
+    """components/sizing.py's memory-bandwidth ceiling, drawn on the dashboard."""
+    max_steal_percent: float
+    """The tier's maxStealPercent: the steal alert's threshold."""
+    scraper_address: str = "127.0.0.1"
+    """The address the nodes' ingresses see Prometheus connect from."""
+    listen: str = "127.0.0.1:9090"
+    """Prometheus's address; loopback only."""
+    scrape_interval_s: int = 15
+    evaluation_interval_s: int = 15
+    rate_window: str = "5m"
+    """Window of every rate() in the recording rules."""
+    retention: str = "15d"
+    ttft_for: str = "10m"
+    """How long TTFT p99 (and decode speed) must miss the SLA before the alert fires."""
+    steal_for: str = "10m"
+    kv_cache_alert_ratio: float = 0.9
+    kv_cache_for: str = "5m"
+    down_for: str = "2m"
+    probe_interval_s: int = 15
+    """The monitor's interval: a probe older than 4 intervals + 60 s counts as stale."""
+    probe_failing_for: str = "2m"
+    restart_loop_count: int = 3
+    restart_loop_window: str = "30m"
+    alertmanager_webhook_url: str = ""
+    """Off when empty; else Debian's Alertmanager sends every alert to this webhook."""
+    alertmanager_listen: str = "127.0.0.1:9093"
+    repeat_interval: str = "4h"
+    config_dir: str = CONFIG_DIR
+    textfile_dir: str = TEXTFILE_DIR
+    stack: str = "fimfleet"
+    """Dashboard title."""
+
+
+def _split_hostport(value: str) -> tuple[str, int] | None:
+    m = re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$", value or "")
+    return (m.group(1), int(m.group(2))) if m and 0 < int(m.group(2)) < 65536 else None
+
+
+def _source_address(node: ScrapeNode, scraper: str) -> str:
+    """The address the node's nginx sees: loopback when the URL is a loopback literal."""
+    host = urlsplit(node.metrics_url).hostname or ""
+    return host if host in ("127.0.0.1", "::1") else scraper
+
+
+def problems(args: MonitoringArgs) -> list[Problem]:
+    """Every bad value at once, each with its key and a fix."""
+    out: list[Problem] = []
+    seen = set()
+    for i, n in enumerate(args.nodes):
+        key = f"monitoring.nodes[{i}]"
+        if not NAME_RE.match(str(n.name)) or n.name in seen:
+            out.append(Problem(f"{key}.name", n.name, "must be a unique name of letters, digits, '.', '_' or '-'"))
+        seen.add(n.name)
+        u = urlsplit(str(n.metrics_url))
+        if u.scheme != "https" or not u.hostname or not PATH_RE.match(u.path or "/") or u.query or u.username:
+            out.append(Problem(f"{key}.metricsUrl", n.metrics_url, "must be the ingress's https URL, like https://10.0.0.5/metrics"))
+            continue
+        if n.server_name and not re.match(r"^[A-Za-z0-9.-]+$", n.server_name):
+            out.append(Problem(f"{key}.serverName", n.server_name, "must be a DNS name"))
+        try:
+            nets = [ipaddress.ip_network(c, strict=False) for c in n.allow_cidrs]
+            src = ipaddress.ip_address(_source_address(n, args.scraper_address))
+        except ValueError as e:
+            out.append(Problem(f"{key}.allowCidrs", list(n.allow_cidrs), f"CIDRs and the scraper address must be IPs ({e})"))
+            continue
+        if not any(src in net for net in nets):
+            out.append(Problem("ingress.metricsAllowCidrs", list(n.allow_cidrs),
+                               f"node {n.name}'s ingress would refuse Prometheus at {src}: add {src}/32"))
+    for i, e in enumerate(args.exporters):
+        if not NAME_RE.match(str(e.host)):
+            out.append(Problem(f"monitoring.exporters[{i}].host", e.host, "must be a name of letters, digits, '.', '_' or '-'"))
+        if not _split_hostport(e.address):
+            out.append(Problem(f"monitoring.exporters[{i}].address", e.address, "must be host:port, like 10.0.0.5:9100"))
+        if e.role not in ("node", "gateway"):
+            out.append(Problem(f"monitoring.exporters[{i}].role", e.role, "must be node or gateway"))
+    for name in ("listen", "alertmanager_listen"):
+        hp = _split_hostport(getattr(args, name))
+        if not hp or hp[0] not in LOOPBACK:
+            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name),
+                               "must be a loopback address like 127.0.0.1:9090: never open to the internet (use the SSH tunnel)"))
+    for name in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "decode_ceiling_tokens_per_s"):
+        if not _positive(getattr(args, name)):
+            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name), "must be a number above 0"))
+    for name, hi in (("min_decode_tokens_per_s", 10**6), ("max_steal_percent", 100), ("kv_cache_alert_ratio", 1)):
+        v = getattr(args, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= hi:
+            out.append(Problem(f"monitoring.{_camel(name)}", v, f"must be a number from 0 to {hi}"))
+    for name in ("rate_window", "retention", "ttft_for", "steal_for", "kv_cache_for", "down_for",
+                 "probe_failing_for", "restart_loop_window", "repeat_interval"):
+        if not DURATION_RE.match(str(getattr(args, name))):
+            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name), "must be a duration like 30s, 5m or 2h"))
+    for name in ("scrape_interval_s", "evaluation_interval_s", "probe_interval_s", "restart_loop_count"):
+        v = getattr(args, name)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 3600:
+            out.append(Problem(f"monitoring.{_camel(name)}", v, "must be a whole number from 1 to 3600"))
+    url = args.alertmanager_webhook_url
+    if url and not re.match(r"^https?://[^\s\"'\\]+$", str(url)):
+        out.append(Problem("monitoring.alertmanagerWebhookUrl", url, "must be an http(s) URL, or empty to leave Alertmanager off"))
+    for name in ("config_dir", "textfile_dir"):
+        if not PATH_RE.match(str(getattr(args, name))):
+            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name), "must be an absolute path"))
+    return out
+
+
+def exporter_problems(e: ExporterArgs) -> list[Problem]:
+    out = []
+    if not NAME_RE.match(str(e.host)):
+        out.append(Problem("monitoring.exporter.host", e.host, "must be a name of letters, digits, '.', '_' or '-'"))
+    if not _split_hostport(e.listen):
+        out.append(Problem("monitoring.exporter.listen", e.listen, "must be host:port, like 127.0.0.1:9100"))
+    for node, unit in e.monitors:
+        if not NAME_RE.match(str(node)) or not UNIT_RE.match(str(unit)):
+            out.append(Problem("monitoring.exporter.monitors", [node, unit], "must be a node name and its engine's .service unit"))
+    for unit in e.watched_units:
+        if not UNIT_RE.match(str(unit)):
+            out.append(Problem("monitoring.exporter.watchedUnits", unit, "must be a systemd .service unit"))
+    for name in ("textfile_dir", "run_dir", "state_dir"):
+        if not PATH_RE.match(str(getattr(e, name))):
+            out.append(Problem(f"monitoring.exporter.{_camel(name)}", getattr(e, name), "must be an absolute path"))
+    if not isinstance(e.interval_s, int) or not 1 <= e.interval_s <= 3600:
+        out.append(Problem("monitoring.exporter.intervalS", e.interval_s, "must be a whole number from 1 to 3600"))
+    return out
+
+
+def check(args: MonitoringArgs, exporter: ExporterArgs | None = None, sla_nodes=()) -> None:
+    """Raise one ConfigError listing every problem (SLA reports must belong to scraped nodes)."""
+    found = problems(args) + (exporter_problems(exporter) if exporter else [])
+    names = {n.name for n in args.nodes}
+    found += [Problem("monitoring.slaReports", n, f"is not a scraped node ({sorted(names)})") for n in sla_nodes if n not in names]
+    if found:
+        raise ConfigError(found)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(w[:1].upper() + w[1:] for w in rest)
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def prometheus_args(args: MonitoringArgs) -> list[str]:
+    return [f"--config.file={args.config_dir}/prometheus.yml", f"--web.listen-address={args.listen}",
+            f"--storage.tsdb.retention.time={args.retention}"]
+
+
+def alertmanager_args(args: MonitoringArgs) -> list[str]:
+    # an empty cluster address turns off HA gossip, which would listen on 0.0.0.0:9094
+    return [f"--config.file={args.config_dir}/alertmanager.yml", f"--web.listen-address={args.alertmanager_listen}",
+            "--cluster.listen-address="]
+
+
+def node_exporter_args(e: ExporterArgs) -> list[str]:
+    units = [u for _, u in e.monitors] + list(e.watched_units)
+    # node_exporter anchors the regex; [.] keeps backslashes out of the systemd EnvironmentFile
+    include = "(" + "|".join(u.replace(".", "[.]") for u in dict.fromkeys(units)) + ")"
+    return [f"--web.listen-address={e.listen}", f"--collector.textfile.directory={e.textfile_dir}",
+            f"--collector.vmstat.fields={VMSTAT_FIELDS}", "--collector.systemd",
+            f"--collector.systemd.unit-include={include}", "--collector.systemd.enable-restarts-metrics"]
+
+
+def _scrape_node(n: ScrapeNode) -> dict:
+    u = urlsplit(n.metrics_url)
+    return {"name": n.name, "target": u.netloc, "path": u.path or "/metrics", "ca_pem": n.ca_pem,
+            "server_name": n.server_name}
+
+
+def rule_values(args: MonitoringArgs) -> dict:
+    ms = {"50": args.ttft_p50_ms, "95": args.ttft_p95_ms, "99": args.ttft_p99_ms}
+    return dict(
+        window=args.rate_window, quantiles=[{"name": n, "value": v, "limit_s": ms[n] / 1000} for n, v in QUANTILES],
+        ttft_p99_ms=args.ttft_p99_ms, ttft_p99_s=args.ttft_p99_ms / 1000, ttft_for=args.ttft_for,
+        min_decode_tokens_per_s=args.min_decode_tokens_per_s, decode_ceiling_tokens_per_s=args.decode_ceiling_tokens_per_s,
+        max_steal_percent=args.max_steal_percent, steal_for=args.steal_for,
+        kv_cache_alert_ratio=args.kv_cache_alert_ratio, kv_cache_for=args.kv_cache_for, down_for=args.down_for,
+        probe_failing_for=args.probe_failing_for, probe_stale_s=4 * args.probe_interval_s + 60,
+        restart_loop_count=args.restart_loop_count, restart_loop_window=args.restart_loop_window)
+
+
+def prometheus_files(args: MonitoringArgs) -> dict[str, str]:
+    """Config, rules, CAs and the dashboard, by path relative to config_dir."""
+    alertmanager = bool(args.alertmanager_webhook_url)
+    files = {
+        "prometheus.yml": templates.render(
+            "prometheus/prometheus.yml.j2", config_dir=args.config_dir, listen=args.listen,
+            scrape_interval_s=args.scrape_interval_s, scrape_timeout_s=min(10, args.scrape_interval_s),
+            evaluation_interval_s=args.evaluation_interval_s, alertmanager=alertmanager,
+            alertmanager_listen=args.alertmanager_listen, nodes=[_scrape_node(n) for n in args.nodes],
+            exporters=[{"name": e.host, "address": e.address, "role": e.role} for e in args.exporters]),
+        "rules/fimfleet-recording.yml": templates.render("prometheus/recording.rules.yml.j2", **rule_values(args)),
+        "rules/fimfleet-alerts.yml": templates.render("prometheus/alerts.rules.yml.j2", **rule_values(args)),
+        "grafana-dashboard.json": dashboard_json(args.stack),
+    }
+    files.update({f"ca/{n.name}.pem": n.ca_pem for n in args.nodes if n.ca_pem})
+    if alertmanager:
+        files["alertmanager.yml"] = templates.render("prometheus/alertmanager.yml.j2", webhook_url=args.alertmanager_webhook_url,
+                                                     repeat_interval=args.repeat_interval)
+    return files
+
+
+def dashboard_json(title: str = "fimfleet") -> str:
+    """The Grafana dashboard (files/prometheus/grafana-dashboard.json); it reads recorded series only."""
+    board = json.loads((templates.FILES / "prometheus/grafana-dashboard.json").read_text())
+    board["title"] = title
+    return json.dumps(board, indent=2) + "\n"
+
+
+def sla_textfile(node: str, report: Mapping) -> str:
+    """The last SLA gate report (components.sla's report dict) as node_exporter textfile metrics."""
+    def num(v) -> str:
+        return "NaN" if v is None else repr(float(v))
+
+    ttft = report.get("ttft_ms") or {}
+    started = report.get("started_at")
+    ts = datetime.fromisoformat(started).timestamp() if started else None
+    return templates.render(
+        "prometheus/sla-gate.prom.j2", node=node,
+        ttft_s=[(n, num(None if ttft.get(f"p{n}") is None else ttft[f"p{n}"] / 1000)) for n, _ in QUANTILES],
+        decode_tokens_per_s=num((report.get("decode_tokens_per_s") or {}).get("p50")),
+        passed=0 if report.get("violations") or report.get("passed") is False else 1,
+        ok=int(report.get("ok") or 0), errors=int(report.get("errors") or 0), timestamp=num(ts))
+
+
+def _defaults(service: str, args: list[str]) -> dict:
+    dest = f"/etc/default/{service}"
+    return {"service": service, "dest": dest, "staged": f"{STAGED_DIR}/default-{service}",
+            "backup": f"{STAGED_DIR}/before-fimfleet-{service}", "args": args}
+
+
+def _packages(role: str, packages: list[str], defaults: list[dict]) -> tuple[list[dict], str, str]:
+    """Staged /etc/default files, the install fragment and its destroy fragment."""
+    record = PACKAGE_RECORD.format(role=role)
+    files = [{"path": d["staged"], "mode": "0644", "content": templates.render("prometheus/default-args.j2", args=d["args"])}
+             for d in defaults]
+    return (files, templates.render("prometheus/packages.sh.j2", record=record, packages=packages, defaults=defaults),
+            templates.render("prometheus/packages-destroy.sh.j2", record=record, defaults=defaults))
+
+
+def _listening(what: str, listen: str) -> str:
+    host, port = _split_hostport(listen)
+    return templates.render("prometheus/listening.sh.j2", what=what, listen=f"{host}:{port}", port=port)
+
+
+def steps(args: MonitoringArgs) -> list[dict]:
+    """The Prometheus host's steps: packages, config, rules (and Alertmanager when a webhook is set)."""
+    alertmanager = bool(args.alertmanager_webhook_url)
+    defaults = [_defaults("prometheus", prometheus_args(args))]
+    if alertmanager:
+        defaults.append(_defaults("prometheus-alertmanager", alertmanager_args(args)))
+    staged, install, uninstall = _packages("server", ["prometheus"] + (["prometheus-alertmanager"] if alertmanager else []),
+                                           defaults)
+    files = staged + [{"path": f"{args.config_dir}/{rel}", "mode": "0644", "content": content}
+                      for rel, content in prometheus_files(args).items()]
+    kw = dict(config=f"{args.config_dir}/prometheus.yml", alertmanager=alertmanager, listen=args.listen,
+              alertmanager_config=f"{args.config_dir}/alertmanager.yml", alertmanager_listen=args.alertmanager_listen,
+              default_staged=defaults[0]["staged"], config_dir=args.config_dir, rule_groups=len(RULE_GROUPS),
+              listening=_listening("prometheus", args.listen),
+              alertmanager_listening=_listening("prometheus-alertmanager", args.alertmanager_listen))
+    check_script = templates.render("prometheus/server-check.sh.j2", **kw)
+    return [{"name": "prometheus", "label": "prometheus", "files": files,
+             "apply": templates.render("prometheus/server-apply.sh.j2", packages=install, check=check_script, **kw),
+             "check": check_script,
+             "destroy": templates.render("prometheus/server-destroy.sh.j2", packages_destroy=uninstall, **kw)}]
+
+
+def exporter_steps(e: ExporterArgs) -> list[dict]:
+    """One host's node_exporter and its deep-probe textfile export."""
+    d = _defaults("prometheus-node-exporter", node_exporter_args(e))
+    staged, install, uninstall = _packages("exporter", ["prometheus-node-exporter", "dbus"], [d])
+    kw = dict(textfile_dir=e.textfile_dir, script=HELPER, env_file=HELPER_ENV, state_dir=e.state_dir,
+              timer=f"{HELPER_UNIT}.timer", service=f"{HELPER_UNIT}.service", listen=e.listen,
+              monitors=[f"{node}={unit}" for node, unit in e.monitors], default_staged=d["staged"],
+              listening=_listening("prometheus-node-exporter", e.listen))
+    files = staged + [
+        {"path": HELPER, "mode": "0755", "content": (templates.FILES / "prometheus/monitor-textfile.sh").read_text()},
+        {"path": HELPER_ENV, "mode": "0644", "content": templates.render("prometheus/monitor-textfile.env.j2",
+                                                                         run_dir=e.run_dir, **kw)},
+        {"path": f"/etc/systemd/system/{HELPER_UNIT}.service", "mode": "0644",
+         "content": templates.render("prometheus/monitor-textfile.service.j2", **kw)},
+        {"path": f"/etc/systemd/system/{HELPER_UNIT}.timer", "mode": "0644",
+         "content": templates.render("prometheus/monitor-textfile.timer.j2", interval_s=e.interval_s)},
+    ]
+    check_script = templates.render("prometheus/exporter-check.sh.j2", **kw)
+    return [{"name": "exporter", "label": "node_exporter", "files": files,
+             "apply": templates.render("prometheus/exporter-apply.sh.j2", packages=install, check=check_script, **kw),
+             "check": check_script,
+             "destroy": templates.render("prometheus/exporter-destroy.sh.j2", packages_destroy=uninstall, **kw)}]
+
+
+def tunnel_command(connection: Mapping, listen: str) -> str:
+    """The SSH command that opens the Prometheus UI at http://localhost:<port>."""
+    q = templates.shell_quote
+    host, port = _split_hostport(listen)
+    jump = ""
+    if connection.get("bastionHost"):
+        jump = f" -J {q(connection.get('bastionUser') or connection.get('user', 'root'))}@{q(connection['bastionHost'])}:" \
+               f"{int(connection.get('bastionPort', 22))}"
+    return (f"ssh -N -L {port}:{host.strip('[]')}:{port} -p {int(connection.get('port', 22))}{jump} "
+            f"{q(connection.get('user', 'root'))}@{q(connection['host'])}")
+
+
+# ----------------------------------------------------------------------------- resources
+
+
+def _remote_steps(parent: pulumi.Resource, name: str, specs: list[dict], connection, depends_on) -> list[RemoteStep]:
+    out = []
+    for s in specs:
+        out.append(RemoteStep(f"{name}-{s['name']}", label=s["label"], connection=connection,
+                              files=pulumi.Output.secret(s["files"]), apply=s["apply"], check=s["check"],
+                              destroy=s["destroy"], timeout_s=1800,
+                              opts=pulumi.ResourceOptions(parent=parent, depends_on=list(depends_on) + out)))
+    return out
+
+
+class NodeExporter(pulumi.ComponentResource):
+    """node_exporter and the deep-probe export on a host that does not run Prometheus."""
+
+    def __init__(self, name: str, exporter: ExporterArgs, connection: pulumi.Input[dict],
+                 opts: pulumi.ResourceOptions | None = None):
+        found = exporter_problems(exporter)
+        if found:
+            raise ConfigError(found)
+        super().__init__("fimfleet:monitoring:NodeExporter", name, None, opts)
+        self.steps = _remote_steps(self, name, exporter_steps(exporter), connection, [])
+        self.register_outputs({})
+
+
+class Monitoring(pulumi.ComponentResource):
+    """Prometheus (and this host's node_exporter) with the stack's rules; see the module docstring.
+
+    `sla_reports` maps a node name to its FimSlaCheck `report` output: each is written as a
+    textfile on this host. Outputs: tunnel_command, url (through the tunnel), dashboard_json.
+    """
+
+    def __init__(self, name: str, args: MonitoringArgs, connection: pulumi.Input[dict],
+                 exporter: ExporterArgs | None = None, sla_reports: Mapping[str, pulumi.Input[dict]] | None = None,
+                 opts: pulumi.ResourceOptions | None = None):
+        check(args, exporter, sla_nodes=list(sla_reports or ()))
+        super().__init__("fimfleet:monitoring:Monitoring", name, None, opts)
+        conn = pulumi.Output.from_input(connection)
+        exporters = _remote_steps(self, name, exporter_steps(exporter), conn, []) if exporter else []
+        self.steps = exporters + _remote_steps(self, name, steps(args), conn, exporters)
+        textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
+        for node, report in (sla_reports or {}).items():
+            path = f"{textfile_dir}/fimfleet_sla_{node}.prom"
+            files = pulumi.Output.from_input(report).apply(
+                lambda r, node=node, path=path: [{"path": path, "mode": "0644", "content": sla_textfile(node, r)}])
+            self.steps.append(RemoteStep(
+                f"{name}-sla-{node}", label=f"SLA report textfile ({node})", connection=conn, files=files,
+                apply=templates.render("prometheus/sla-gate-apply.sh.j2", node=node, path=path),
+                destroy=templates.render("prometheus/sla-gate-destroy.sh.j2", path=path),
+                opts=pulumi.ResourceOptions(parent=self, depends_on=exporters)))
+        self.tunnel_command = pulumi.Output.unsecret(conn.apply(lambda c: tunnel_command(c, args.listen)))
+        self.url = f"http://localhost:{_split_hostport(args.listen)[1]}"
+        self.dashboard_json = dashboard_json(args.stack)
+        self.register_outputs({"tunnelCommand": self.tunnel_command, "url": self.url})

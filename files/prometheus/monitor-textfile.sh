@@ -1,0 +1,76 @@
+#!/bin/bash
+# fimfleet: the deep probe's state as node_exporter textfile metrics, run by its own timer.
+# files/monitor/recover.sh keeps, per engine unit, in /run/fimfleet/monitor-<unit without .service>:
+#   failures      consecutive failed probes (reset by a good probe and after a restart)
+#   last          "<epoch> ok" | "<epoch> fail <error>" | "<epoch> config-error <error>"
+#   stage         0 = next recovery is a restart, 1 = next one escalates to SIGKILL
+#   restarted-at  epoch of its last restart, removed once a probe passes again
+# This script only reads them. Because restarted-at disappears, it counts each new value
+# itself (STATE_DIR), so restarts survive as a counter.
+# Usage: monitor-textfile.sh ENV_FILE   (TEXTFILE_DIR, STATE_DIR, RUN_DIR, MONITORS="node=unit ...")
+# Output: $TEXTFILE_DIR/fimfleet_monitor.prom, replaced atomically.
+set -euo pipefail
+# shellcheck disable=SC1090
+source "$1"
+THP_DIR=${THP_DIR:-/sys/kernel/mm/transparent_hugepage}
+mkdir -p "$STATE_DIR" "$TEXTFILE_DIR"
+
+declare -A family=() samples=()
+order=()
+metric() { # NAME TYPE HELP: declares a family once, in output order
+  order+=("$1"); family[$1]="# HELP $1 $3"$'\n'"# TYPE $1 $2"$'\n'
+}
+sample() { samples[$1]+="$1{$2} $3"$'\n'; }
+number() { # FILE DEFAULT: the file's first word if it is a whole number, else DEFAULT
+  local v
+  v=$(head -c 64 "$1" 2>/dev/null | awk 'NR==1{print $1}') || true
+  [[ $v =~ ^[0-9]+$ ]] && echo "$v" || echo "$2"
+}
+
+metric fimfleet_monitor_probe_ok gauge "1 if the last deep FIM probe got a completion, 0 if it failed or was rejected."
+metric fimfleet_monitor_probe_rejected gauge "1 if the ingress rejected the last probe (HTTP 401/403): a configuration error no restart fixes."
+metric fimfleet_monitor_last_probe_timestamp_seconds gauge "When the last deep probe ran (0 = never)."
+metric fimfleet_monitor_consecutive_failures gauge "Failed deep probes in a row, as counted by the recovery manager."
+metric fimfleet_monitor_recovery_stage gauge "0 = the next recovery restarts the engine, 1 = it escalates to SIGKILL."
+metric fimfleet_monitor_restarts_total counter "Engine restarts done by the recovery manager, counted by this exporter."
+metric fimfleet_monitor_last_restart_timestamp_seconds gauge "When the recovery manager last restarted the engine (0 = never)."
+metric fimfleet_thp_mode gauge "Transparent huge page setting in force (1 for the active mode)."
+
+for pair in $MONITORS; do
+  node=${pair%%=*} unit=${pair#*=}
+  dir="$RUN_DIR/monitor-${unit%.service}"
+  labels="node=\"$node\",unit=\"$unit\""
+  read -r ts status _ 2>/dev/null < "$dir/last" || { ts=0; status=none; }
+  [[ $ts =~ ^[0-9]+$ ]] || ts=0
+  if [ "$status" != none ]; then
+    sample fimfleet_monitor_probe_ok "$labels" "$([ "$status" = ok ] && echo 1 || echo 0)"
+    sample fimfleet_monitor_probe_rejected "$labels" "$([ "$status" = config-error ] && echo 1 || echo 0)"
+  fi
+  sample fimfleet_monitor_last_probe_timestamp_seconds "$labels" "$ts"
+  sample fimfleet_monitor_consecutive_failures "$labels" "$(number "$dir/failures" 0)"
+  sample fimfleet_monitor_recovery_stage "$labels" "$(number "$dir/stage" 0)"
+  mine="$STATE_DIR/${unit%.service}"
+  restarted=$(number "$dir/restarted-at" 0)
+  count=$(number "$mine.restarts" 0)
+  if [ "$restarted" != 0 ] && [ "$restarted" != "$(number "$mine.last-restart" 0)" ]; then
+    count=$((count + 1))
+    echo "$count" > "$mine.restarts"
+    echo "$restarted" > "$mine.last-restart"
+  fi
+  sample fimfleet_monitor_restarts_total "$labels" "$count"
+  sample fimfleet_monitor_last_restart_timestamp_seconds "$labels" "$(number "$mine.last-restart" 0)"
+done
+
+for setting in enabled defrag; do
+  mode=$(sed -n 's/.*\[\([a-z_+]*\)\].*/\1/p' "$THP_DIR/$setting" 2>/dev/null || true)
+  [ -n "$mode" ] && sample fimfleet_thp_mode "setting=\"$setting\",mode=\"$mode\"" 1
+done
+
+out="$TEXTFILE_DIR/fimfleet_monitor.prom"
+tmp="$out.$$.tmp"
+for name in "${order[@]}"; do
+  # a family without samples is left out
+  [ -z "${samples[$name]:-}" ] || printf '%s%s' "${family[$name]}" "${samples[$name]}"
+done > "$tmp"
+chmod 0644 "$tmp"
+mv -f "$tmp" "$out"
