@@ -231,6 +231,10 @@ def test_helper_exports_the_monitors_state(tmp_path):
     got = h()
     assert got[f"fimfleet_monitor_probe_ok{L}"] == 0
     assert got[f"fimfleet_monitor_consecutive_failures{L}"] == 2 and got[f"fimfleet_monitor_recovery_stage{L}"] == 1
+    assert got[f"fimfleet_monitor_probe_busy{L}"] == 0
+    h.write(last="1700000020 busy probe failed: curl exit 28")
+    got = h()
+    assert got[f"fimfleet_monitor_probe_ok{L}"] == 0 and got[f"fimfleet_monitor_probe_busy{L}"] == 1
     h.write(last="1700000030 config-error probe rejected with HTTP 401")
     got = h()
     assert got[f"fimfleet_monitor_probe_ok{L}"] == 0 and got[f"fimfleet_monitor_probe_rejected{L}"] == 1

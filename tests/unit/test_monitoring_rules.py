@@ -63,6 +63,19 @@ def test_rendered_config_and_rules_pass_promtool(tmp_path, webhook):
     assert sorted(groups) == sorted(m.RULE_GROUPS)
 
 
+def test_alertmanager_config_passes_amtool(tmp_path):
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool is missing: ./fimfleet bootstrap installs Debian's prometheus-alertmanager package"
+    files = write(tmp_path, make_args(config_dir=str(tmp_path), alertmanager_webhook_url="https://hooks.example.com/x?t=1"))
+    r = subprocess.run([amtool, "check-config", str(files["alertmanager.yml"])], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert yaml.safe_load(files["alertmanager.yml"].read_text())["receivers"][0]["webhook_configs"][0]["url"] \
+        == "https://hooks.example.com/x?t=1"
+    broken = tmp_path / "broken.yml"
+    broken.write_text(files["alertmanager.yml"].read_text().replace("receiver: fimfleet-webhook", "receiver: nobody"))
+    assert subprocess.run([amtool, "check-config", str(broken)], capture_output=True, timeout=60).returncode != 0
+
+
 def test_promtool_rejects_a_broken_rule(tmp_path):
     """The check above can fail: a rule with a PromQL syntax error is refused."""
     files = write(tmp_path, make_args(config_dir=str(tmp_path)))
@@ -98,6 +111,7 @@ ITL = {'vllm:inter_token_latency_seconds_count{job="vllm",node="a"}': "0+100x40"
        'vllm:inter_token_latency_seconds_sum{job="vllm",node="a"}': "0+25x40"}  # 4 tokens/s per request
 STEAL = {f'node_cpu_seconds_total{{job="node",host="a",cpu="{c}",mode="steal"}}': "0+6x40" for c in (0, 1)}  # 10 %
 PROBE = 'fimfleet_monitor_probe_ok{job="node",host="a",node="a",unit="vllm-a.service"}'
+BUSY = 'fimfleet_monitor_probe_busy{job="node",host="a",node="a",unit="vllm-a.service"}'
 PROBE_TS = 'fimfleet_monitor_last_probe_timestamp_seconds{job="node",host="a",node="a",unit="vllm-a.service"}'
 RESTARTS = 'fimfleet_monitor_restarts_total{job="node",host="a",node="a",unit="vllm-a.service"}'
 KV = 'vllm:kv_cache_usage_perc{job="vllm",node="a",engine="0"}'
@@ -111,7 +125,9 @@ SCENARIOS = {
                                      [("25m", False)]),
     "decode-below-the-sla": ("FimfleetDecodeBelowSla", {"min_decode_tokens_per_s": 5}, ITL, [("9m", False), ("13m", True)]),
     "decode-above-the-sla": ("FimfleetDecodeBelowSla", {"min_decode_tokens_per_s": 3.9}, ITL, [("12m", False)]),
-    "probe-failing": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0x20"}, [("4m", False), ("6m", True)]),
+    "probe-failing": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0x20", BUSY: "0x23"}, [("4m", False), ("6m", True)]),
+    "probe-fails-behind-real-work": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0x20", BUSY: "0x3 1x20"},
+                                     [("6m", False), ("12m", False)]),
     "probe-one-failure-then-ok": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0 1x20"}, [("4m", False), ("10m", False)]),
     "probe-stale": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0+60x5 300x20"}, [("8m", False), ("12m", True)]),
     "probe-fresh": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0+60x30"}, [("12m", False), ("25m", False)]),
