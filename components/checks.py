@@ -37,6 +37,7 @@ def check_host(host, secrets, problems):
     elif host.kind == "local-vm" and not host.testbed_state:
         problems.append(Problem("host.testbedState", host.testbed_state, "set the testbed state dir (./fimfleet demo does this)"))
     _grammar(problems, "host.user", host.user, grammar.unix_user)
+    _grammar(problems, "host.hostKey", host.host_key, grammar.ssh_public_key)
     _grammar(problems, "host.testbedState", host.testbed_state, grammar.local_path)
     b = host.bastion
     if b is not None:
@@ -47,6 +48,7 @@ def check_host(host, secrets, problems):
         if not isinstance(port, int) or isinstance(port, bool) or PORT(port):
             problems.append(Problem("host.bastion.port", port, "must be a whole number between 1 and 65535"))
         _grammar(problems, "host.bastion.user", b.get("user"), grammar.unix_user)
+        _grammar(problems, "host.bastion.hostKey", b.get("hostKey"), grammar.ssh_public_key)
 
 
 def check_model(model, tier, problems):

@@ -38,6 +38,7 @@ ENV_VALUE = re.compile(r"[A-Za-z0-9_.:,/=+@%|-]{0,1024}")
 KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 API_KEY = re.compile(r"[A-Za-z0-9._~+/=-]{24,512}")
 NO_CONTROL = re.compile(r"[^\x00-\x1f\x7f]*")
+SSH_PUBLIC_KEY = re.compile(r"(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa|rsa-sha2-(256|512)) [A-Za-z0-9+/]+={0,3}( [^\x00-\x1f\x7f]*)?")
 
 THP_NAMES = re.compile(r".*(transparent_hugepage|khugepaged|(^|[._])thp([._]|$)).*")
 """THP lives in sysfs (/sys/kernel/mm/transparent_hugepage), never in sysctl; fimfleet sets it itself."""
@@ -162,6 +163,11 @@ def key_name(v) -> str | None:
 
 def api_key(v) -> str | None:
     return None if _full(API_KEY, v) else "each key must be 24-512 URL-safe characters without spaces or quotes (e.g. openssl rand -hex 24)"
+
+
+def ssh_public_key(v) -> str | None:
+    return None if _full(SSH_PUBLIC_KEY, v) else ("must be one SSH public key line like `ssh-ed25519 AAAA...` "
+                                                 "(ssh-keyscan -t ed25519 HOST prints it; check its fingerprint on the console)")
 
 
 def dns_label(v) -> str | None:

@@ -14,6 +14,7 @@ import pulumi
 
 from components import templates, tiers
 from components.config import StackConfig
+from components.identity import HostIdentity
 from components.remote import RemoteStep
 
 STEAL_SAMPLE_SECONDS = 3
@@ -52,9 +53,10 @@ def _testbed_info(state_dir: str) -> dict:
 
 
 def testbed_connection(state_dir: str) -> dict:
+    """The VM's SSH endpoint and key; its host key is known from the image build, so it is always pinned."""
     ssh = _testbed_info(state_dir)["ssh"]
     return {"host": ssh["host"], "port": int(ssh["port"]), "user": ssh.get("user", "root"),
-            "privateKey": Path(ssh["key"]).read_text()}
+            "privateKey": Path(ssh["key"]).read_text(), "hostKey": " ".join(ssh["host_key"].split()[:2])}
 
 
 def testbed_forwards(state_dir: str) -> dict[int, int]:
@@ -62,17 +64,24 @@ def testbed_forwards(state_dir: str) -> dict[int, int]:
     return {int(g): int(h) for g, h in _testbed_info(state_dir)["ports"].items()}
 
 
-def connection_for(cfg: StackConfig) -> pulumi.Output[dict]:
-    """The SSH connection as one secret Output: it carries the private key."""
+def connection_for(cfg: StackConfig, address: pulumi.Input[str] | None = None) -> pulumi.Output[dict]:
+    """The SSH connection as one secret Output: it carries the private key. `address`: a cloud instance's."""
     h = cfg.host
     if h.kind == "local-vm":
         conn = testbed_connection(h.testbed_state)
     else:
-        conn = {"host": h.address, "port": h.port, "user": h.user, "privateKey": cfg.secrets.ssh_private_key}
+        conn = {"host": h.address if address is None else address, "port": h.port, "user": h.user,
+                "privateKey": cfg.secrets.ssh_private_key}
     if h.bastion:
         conn.update(bastionHost=h.bastion["address"], bastionPort=int(h.bastion.get("port", 22)),
                     bastionUser=h.bastion.get("user", h.user))
     return pulumi.Output.secret(conn)
+
+
+def pinned_connection(base: pulumi.Input[dict], ident: HostIdentity, gone: bool) -> pulumi.Output[dict]:
+    """What every step connects with: the base connection plus the verified host key(s) and identity."""
+    return pulumi.Output.secret(pulumi.Output.all(base, ident.hostKeySeen, ident.bastionHostKeySeen, ident.identity).apply(
+        lambda a: {**a[0], "hostKey": a[1], "bastionHostKey": a[2] or "", "identity": a[3], "gone": gone}))
 
 
 class Host(pulumi.ComponentResource):
@@ -80,15 +89,26 @@ class Host(pulumi.ComponentResource):
 
     def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:host:Host", name, None, opts)
-        self.connection = connection_for(cfg)
-        self.address = cfg.host.address if cfg.host.kind == "ssh" else self.connection.apply(lambda c: c["host"])
         child = pulumi.ResourceOptions(parent=self)
+        # host.provider hcloud / aws: create the instance first; first contact waits until sshd answers.
+        self.instance = cloud.instance_for(f"{name}-cloud", cfg, opts=child)
+        base = connection_for(cfg, self.instance.address if self.instance else None)
+        self.address = (self.instance.address if self.instance else
+                        cfg.host.address if cfg.host.kind == "ssh" else base.apply(lambda c: c["host"]))
+        first = pulumi.ResourceOptions(parent=self, depends_on=[self.instance] if self.instance else [])
+        configured_key = cfg.host.host_key or (testbed_connection(cfg.host.testbed_state)["hostKey"]
+                                               if cfg.host.kind == "local-vm" else "")
+        self.identity = HostIdentity(f"{name}-identity", connection=base, host_key=configured_key,
+                                     bastion_host_key=(cfg.host.bastion or {}).get("hostKey", ""), opts=first)
+        self.connection = pinned_connection(base, self.identity, cfg.host.gone)
+        booted = [cloud.cloud_init_step(f"{name}-cloud-init", self.connection, opts=child)] if self.instance else []
         self.preflight = RemoteStep(f"{name}-preflight", label="host preflight", connection=self.connection,
-                                    apply=preflight_script(cfg), timeout_s=120, opts=child)
+                                    apply=preflight_script(cfg), timeout_s=120,
+                                    opts=pulumi.ResourceOptions(parent=self, depends_on=booted))
         pkgs = packages(cfg)
         self.packages = RemoteStep(
             f"{name}-packages", label="packages", connection=self.connection,
             apply=templates.render("host/packages.sh.j2", packages=pkgs),
             destroy=templates.render("host/packages-destroy.sh.j2"), triggers=pkgs, timeout_s=1800,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.preflight]))
-        self.register_outputs({"address": self.address})
+        self.register_outputs({"address": self.address, "identity": self.identity.identity})

@@ -32,9 +32,10 @@ def test_changed_content_is_an_update_not_a_replace(change):
     assert d.changes and not d.replaces
 
 
-def test_new_host_replaces_the_step():
+def test_new_address_is_an_update_never_a_delete_before_replace():
+    # The old host may be gone for good: its destroy must not block the move.
     d = remote.RemoteStepProvider().diff("id", applied(props()), props(connection={**CONN, "host": "198.51.100.1"}))
-    assert d.changes and d.replaces == ["connection"]
+    assert d.changes and not d.replaces and not d.delete_before_replace
 
 
 def test_rotated_key_is_recorded_without_running_the_step(monkeypatch):
@@ -43,7 +44,33 @@ def test_rotated_key_is_recorded_without_running_the_step(monkeypatch):
     d = provider.diff("id", olds, news)
     assert d.changes and not d.replaces
     monkeypatch.setattr(provider, "_exec", lambda *a: pytest.fail("apply must not run for a key rotation"))
+    monkeypatch.setattr(provider, "_mark", lambda *a: None)
+    monkeypatch.setattr(remote, "session", _no_session)
     assert provider.update("id", olds, news).outs["connection"]["privateKey"] == "other"
+
+
+class _no_session:
+    def __init__(self, *a, **kw):
+        pass
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_a_new_host_identity_applies_the_step_again():
+    olds = applied(props(connection={**CONN, "identity": "a"}))
+    assert remote.RemoteStepProvider().diff("id", olds, props(connection={**CONN, "identity": "a"})).changes is False
+    assert remote.RemoteStepProvider().diff("id", olds, props(connection={**CONN, "identity": "b"})).changes
+    assert remote._wanted(olds, props(connection={**CONN, "identity": "b"})) != olds["appliedDigest"]
+
+
+def test_steps_recorded_before_host_identities_are_adopted_without_applying():
+    legacy = applied(props())  # state written before connections carried an identity
+    news = props(connection={**CONN, "identity": "a"})
+    assert remote._wanted(legacy, news) == legacy["appliedDigest"]
 
 
 def test_drift_found_by_read_makes_the_next_diff_apply_again():
@@ -51,17 +78,64 @@ def test_drift_found_by_read_makes_the_next_diff_apply_again():
     assert remote.RemoteStepProvider().diff("id", drifted, props()).changes
 
 
+def test_unpinned_connection_is_refused_before_any_network_io():
+    from tests.helpers import ssh_key
+
+    t = remote.SshTarget(host="192.0.2.1", port=22, user="root", private_key=ssh_key())
+    with pytest.raises(remote.Error, match="no pinned SSH host key"):
+        with remote.session(t):
+            pass
+
+
 def test_unreachable_host_fails_with_a_clear_message():
     from tests.helpers import ssh_key
 
-    t = remote.SshTarget(host="127.0.0.1", port=1, user="root", private_key=ssh_key(), connect_timeout_s=1)
-    with pytest.raises(ConnectionError, match=r"cannot reach root@127.0.0.1:1 over SSH.*fimfleet:host.address"):
-        remote.connect(t, retries=1)
+    t = remote.SshTarget(host="127.0.0.1", port=1, user="root", private_key=ssh_key(), connect_timeout_s=1,
+                         host_key="ssh-ed25519 AAAA")
+    with pytest.raises(remote.Unreachable, match=r"cannot reach root@127.0.0.1:1 over SSH.*fimfleet:host.address"):
+        with remote.session(t, retries=1):
+            pass
 
 
 def test_bad_private_key_is_named():
-    with pytest.raises(ValueError, match="sshPrivateKey is not a usable private key"):
+    with pytest.raises(remote.Error, match="sshPrivateKey is not a usable private key"):
         remote._pkey("-----BEGIN OPENSSH PRIVATE KEY-----\nnope\n-----END OPENSSH PRIVATE KEY-----\n")
+
+
+def test_destroy_on_a_host_marked_gone_warns_and_skips(capsys):
+    remote.RemoteStepProvider().delete("id", applied(props(destroy="false", connection={**CONN, "gone": True})))
+    assert "marked gone" in capsys.readouterr().err
+
+
+def test_destroy_on_an_unreachable_host_warns_instead_of_failing(capsys):
+    from tests.helpers import ssh_key
+
+    conn = {"host": "127.0.0.1", "port": 1, "user": "root", "privateKey": ssh_key(), "hostKey": "ssh-ed25519 AAAA"}
+    remote.RemoteStepProvider().delete("id", applied(props(destroy="true", connection=conn, label="nginx ingress")))
+    err = capsys.readouterr().err
+    assert "nginx ingress" in err and "cannot reach root@127.0.0.1:1" in err and "stays" in err
+
+
+def test_expected_failures_have_no_traceback_and_bugs_keep_theirs():
+    import traceback
+
+    from components.errors import Error, readable_failures
+
+    @readable_failures
+    def expected():
+        raise Error("kernel tuning: apply failed with exit 1 on root@h:22")
+
+    @readable_failures
+    def bug():
+        return {}["missing"]
+
+    for fn, want_traceback in ((expected, False), (bug, True), (expected, False)):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - the SDK's wrapper does exactly this
+            text = traceback.format_exc()
+        assert ("Traceback" in text) is want_traceback, text
+    assert text.strip() == "fimfleet.Error: kernel tuning: apply failed with exit 1 on root@h:22"
 
 
 @pytest.mark.parametrize("provider", [remote.RemoteStepProvider(), tls.SelfSignedProvider()])

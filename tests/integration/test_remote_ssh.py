@@ -1,0 +1,147 @@
+"""RemoteStep and HostIdentity against a real OpenSSH server (tests/sshd.py).
+
+Host keys are pinned and verified, a host that moved keeps its identity, a wiped or
+replaced one gets a new identity (so every step runs again), `refresh` finds a wiped
+host, a bastion's client is closed, and progress lines are shown while a step runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from components import identity, remote
+from tests.helpers import ssh_key
+from tests.sshd import Sshd
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def sshd(tmp_path):
+    server = Sshd(tmp_path, ssh_key()).start()
+    yield server
+    server.stop()
+
+
+def step(conn: dict, **kw) -> dict:
+    base = {"connection": conn, "apply": "echo applied", "check": "", "destroy": "echo destroyed", "files": None,
+            "uploads": None, "env": {}, "triggers": [], "timeoutS": 60, "label": "test step"}
+    return {**base, **kw}
+
+
+def first_contact(sshd: Sshd, **conn) -> dict:
+    return identity.HostIdentityProvider().create({"connection": sshd.connection(ssh_key(), **conn),
+                                                   "hostKey": "", "bastionHostKey": ""}).outs
+
+
+def pinned(sshd: Sshd, ident: dict) -> dict:
+    return sshd.connection(ssh_key(), hostKey=ident["hostKeySeen"], identity=ident["identity"])
+
+
+def test_first_contact_pins_the_presented_key_and_writes_an_identity(sshd):
+    ident = first_contact(sshd)
+    assert ident["hostKeySeen"] == sshd.host_key
+    assert (sshd.varlib / "fimfleet" / "host-id").read_text().strip() == ident["identity"]
+    assert len(ident["machineId"]) >= 8
+
+
+def test_a_changed_host_key_is_refused_before_anything_is_sent(sshd, tmp_path):
+    impostor = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHYl9LXv+aq1wLQ0WqW7V8bT5pQ3Vq8aH1ZkFh6sYc1E"
+    conn = sshd.connection(ssh_key(), hostKey=impostor, identity="x")
+    secret = {"path": "/var/lib/fimfleet/secret", "mode": "0600", "content": "api-key"}
+    with pytest.raises(remote.HostKeyChanged) as err:
+        remote.RemoteStepProvider().create(step(conn, files=[secret]))
+    msg = str(err.value)
+    assert "changed" in msg and "pulumi config set --path fimfleet:host.hostKey" in msg and sshd.host_key in msg
+    assert not (sshd.varlib / "fimfleet" / "secret").exists()
+
+
+def test_apply_leaves_a_marker_and_refresh_finds_a_wiped_host(sshd, capsys):
+    ident = first_contact(sshd)
+    conn = pinned(sshd, ident)
+    p = remote.RemoteStepProvider()
+    created = p.create(step(conn, check="true"))
+    assert created.outs["stdout"].strip() == "applied"
+    assert p.read(created.id, created.outs).outs["appliedDigest"] == created.outs["appliedDigest"]
+
+    sshd.wipe()
+    drifted = p.read(created.id, created.outs).outs
+    assert drifted["appliedDigest"] == "drifted" and "marker is missing" in capsys.readouterr().err
+    assert p.diff(created.id, drifted, step(conn, check="true")).changes
+
+    ident_props = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", **ident}
+    refreshed = identity.HostIdentityProvider().read("id", ident_props).outs
+    assert refreshed["identity"] == ""
+    assert identity.HostIdentityProvider().diff("id", refreshed, ident_props).changes
+    repaired = identity.HostIdentityProvider().update("id", refreshed, ident_props).outs
+    assert repaired["identity"] not in ("", ident["identity"])
+
+
+def test_a_moved_host_keeps_its_identity_and_a_replaced_one_does_not(sshd, tmp_path):
+    ident = first_contact(sshd)
+    olds = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", **ident}
+    # Same disk, new address (here: a second sshd on another port over the same /var/lib).
+    moved = Sshd(tmp_path, ssh_key(), varlib=sshd.varlib).start()
+    replacement_dir = tmp_path / "replacement"
+    replacement_dir.mkdir()
+    replacement = Sshd(replacement_dir, ssh_key()).start()
+    try:
+        news = {"connection": moved.connection(ssh_key()), "hostKey": "", "bastionHostKey": ""}
+        assert identity.HostIdentityProvider().update("id", olds, news).outs["identity"] == ident["identity"]
+        news = {"connection": replacement.connection(ssh_key()), "hostKey": "", "bastionHostKey": ""}
+        out = identity.HostIdentityProvider().update("id", olds, news).outs
+        assert out["identity"] != ident["identity"] and out["hostKeySeen"] == replacement.host_key
+    finally:
+        moved.stop()
+        replacement.stop()
+
+
+def test_a_rebuilt_host_at_the_same_address_is_refused_until_its_key_is_accepted(sshd, tmp_path):
+    ident = first_contact(sshd)
+    olds = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", **ident}
+    sshd.stop()
+    rebuilt_dir = tmp_path / "rebuilt"
+    rebuilt_dir.mkdir()
+    rebuilt = Sshd(rebuilt_dir, ssh_key(), port=sshd.port).start()  # reinstalled: new key, empty disk
+    try:
+        with pytest.raises(remote.HostKeyChanged, match="pulumi config set --path fimfleet:host.hostKey"):
+            identity.HostIdentityProvider().read("id", olds)
+        accepted = {**olds, "hostKey": rebuilt.host_key}
+        assert identity.HostIdentityProvider().diff("id", olds, accepted).changes
+        out = identity.HostIdentityProvider().update("id", olds, accepted).outs
+        assert out["hostKeySeen"] == rebuilt.host_key and out["identity"] != ident["identity"]
+    finally:
+        rebuilt.stop()
+
+
+def test_bastion_sessions_are_verified_and_both_clients_closed(sshd):
+    ident = first_contact(sshd)
+    before = {t for t in threading.enumerate()}
+    conn = {**pinned(sshd, ident), "bastionHost": "127.0.0.1", "bastionPort": sshd.port,
+            "bastionUser": "root", "bastionHostKey": sshd.host_key}
+    with remote.session(remote.SshTarget.from_props(conn)) as client:
+        code, out, _ = remote.run(client, "echo through-bastion")
+    assert (code, out.strip()) == (0, "through-bastion")
+    for t in [t for t in threading.enumerate() if t not in before]:
+        t.join(timeout=5)  # a closed transport's thread ends within moments; an open one never does
+    leftover = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert not leftover, leftover
+
+
+def test_progress_lines_are_shown_while_the_step_runs(sshd, capsys):
+    ident = first_contact(sshd)
+    script = "echo 'progress: engine starting, 30s elapsed' >&2; echo 'noise' >&2; echo done"
+    remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="vLLM service"))
+    err = capsys.readouterr().err
+    assert "vLLM service: engine starting, 30s elapsed" in err and "noise" not in err
+
+
+def test_a_failed_step_names_itself_and_the_host_without_progress_noise(sshd):
+    ident = first_contact(sshd)
+    script = "echo 'progress: still going' >&2; echo 'no space left' >&2; exit 3"
+    with pytest.raises(remote.Error) as err:
+        remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="packages"))
+    assert str(err.value).startswith(f"packages: apply failed with exit 3 on root@127.0.0.1:{sshd.port}")
+    assert "no space left" in str(err.value) and "still going" not in str(err.value)
