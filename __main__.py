@@ -7,6 +7,7 @@ from components.fleet import Fleet
 
 try:
     cfg = config.from_pulumi()
+    config.check_passphrase(pulumi.get_stack(), dry_run=pulumi.runtime.is_dry_run())
 except config.ConfigError as err:
     # One readable list of every problem, before any resource (or host) is touched.
     pulumi.log.error(str(err))

@@ -8,7 +8,9 @@ tier (components/tiers.py), never from literals scattered over the components.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from components import grammar, models, sizing
@@ -65,9 +67,13 @@ class HostConfig:
     address: str = key(default="")
     port: int = key(check=PORT, default=22)
     user: str = key(default="root")
-    bastion: dict = key(default=None, subkeys=("address", "port", "user"))
+    bastion: dict = key(default=None, subkeys=("address", "port", "user", "hostKey"))
     testbed_state: str = key(default="")
     """local-vm: the testbed's state directory (holds info.json, written by toolchain/testbed/vm.py)."""
+    host_key: str = key(default="")
+    """The host's SSH public key (`ssh-ed25519 AAAA...`); unset: trusted on first contact and pinned in state."""
+    gone: bool = key(default=False)
+    """The host no longer exists: destroy and refresh skip it instead of retrying."""
     cpus: int = key(check=POSITIVE)
     memory_gib: int = key(check=POSITIVE)
     memory_bandwidth_gbs: float = key(check=_range(0.1, 100000))
@@ -318,6 +324,33 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     if problems:
         raise ConfigError(problems)
     return StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=memory, **sec)
+
+
+LOCAL_PASSPHRASE = "fimfleet-local"
+"""The local test stacks' published passphrase (./fimfleet sets it for them); never for a real stack."""
+
+
+def is_local_stack(stack: str) -> bool:
+    return stack == "local" or stack.startswith("local-")
+
+
+def check_passphrase(stack: str, dry_run: bool, environ=None, stack_dir: Path | None = None) -> None:
+    """Refuse to deploy a real stack whose secrets are encrypted with the published passphrase.
+
+    ./fimfleet refuses it before `config set --secret` and `up`; this covers the official CLI."""
+    import os
+
+    env = os.environ if environ is None else environ
+    if dry_run or is_local_stack(stack) or env.get("PULUMI_CONFIG_PASSPHRASE") != LOCAL_PASSPHRASE:
+        return
+    stack_file = (stack_dir or Path(__file__).resolve().parent.parent / "stacks") / f"Pulumi.{stack}.yaml"
+    text = stack_file.read_text() if stack_file.exists() else ""
+    if re.search(r"^secretsprovider: *(?!passphrase)[a-z]+://", text, re.M):
+        return
+    raise ConfigError([Problem("env:PULUMI_CONFIG_PASSPHRASE", "<the local test stacks' passphrase>",
+                               f"stack {stack} must not encrypt its secrets with the passphrase published for the local "
+                               "test stacks: export PULUMI_CONFIG_PASSPHRASE=<your own> (then re-set the secrets), or "
+                               f"pulumi stack change-secrets-provider -s {stack} awskms://... (or another KMS)")])
 
 
 def from_pulumi() -> StackConfig:

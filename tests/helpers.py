@@ -32,3 +32,19 @@ def raw_config(tier: str = "cpu-epyc-prod", **sections) -> tuple[dict, frozenset
     }
     raw.update(copy.deepcopy(sections))
     return raw, frozenset({"sshPrivateKey", "apiKeys"})
+
+
+def temp_project(tmp_path):
+    """A throwaway Pulumi project whose program is this repository and whose stack files are copies.
+
+    `pulumi stack init` writes an encryption salt into the project's stack file; tests run their
+    pulumi commands with `--cwd` of this copy so they never touch stacks/ in the repository."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proj = tmp_path / "project"
+    shutil.copytree(root / "stacks", proj / "stacks")
+    text = (root / "Pulumi.yaml").read_text().replace("virtualenv: .venv", f"virtualenv: {root / '.venv'}")
+    (proj / "Pulumi.yaml").write_text(text + f"main: {root}\n")
+    return proj

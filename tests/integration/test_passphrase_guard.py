@@ -1,0 +1,47 @@
+"""./fimfleet refuses to write or deploy a real stack's secrets under the published local passphrase."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import temp_project
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+GUARD = "which is public"
+
+
+def fimfleet_pulumi(tmp_path, *args, **env):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PULUMI_CONFIG_PASSPHRASE")}
+    base.update(FIMFLEET_BACKEND_URL=f"file://{tmp_path}", **env)
+    project = tmp_path / "project" if (tmp_path / "project").exists() else temp_project(tmp_path)
+    return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args], cwd=ROOT, env=base,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args", [
+    ("config", "set", "--secret", "fimfleet:hfToken", "x", "-s", "cpu-epyc-prod", "--config-file", "{cfg}"),
+    ("up", "--yes", "--stack=organization/fimfleet/gpu-h100"),
+])
+def test_default_passphrase_is_refused_for_a_real_stack(tmp_path, args):
+    args = [a.replace("{cfg}", str(tmp_path / "c.yaml")) for a in args]
+    proc = fimfleet_pulumi(tmp_path, *args)
+    assert proc.returncode == 1 and GUARD in proc.stderr and "PULUMI_CONFIG_PASSPHRASE" in proc.stderr
+    assert "change-secrets-provider" in proc.stderr
+
+
+def test_own_passphrase_or_a_local_stack_passes_the_guard(tmp_path):
+    cfg = str(tmp_path / "c.yaml")
+    own = fimfleet_pulumi(tmp_path, "stack", "init", "cpu-epyc-prod", PULUMI_CONFIG_PASSPHRASE="my own long passphrase")
+    assert own.returncode == 0, own.stderr
+    own = fimfleet_pulumi(tmp_path, "config", "set", "--secret", "fimfleet:hfToken", "x", "-s", "cpu-epyc-prod",
+                          "--config-file", cfg, PULUMI_CONFIG_PASSPHRASE="my own long passphrase")
+    assert own.returncode == 0, own.stderr
+    assert "secure:" in Path(cfg).read_text()
+    local = fimfleet_pulumi(tmp_path, "config", "set", "--secret", "fimfleet:hfToken", "x", "-s", "local",
+                            "--config-file", cfg)
+    assert GUARD not in local.stderr
