@@ -132,6 +132,8 @@ class RuntimeConfig:
 class IngressConfig:
     domain: str = key(default="")
     tls: str = key(choices=("self-signed", "provided", "acme"), default="self-signed")
+    allow_self_signed: bool = key(default=False)
+    """Accept tls=self-signed on a non-local stack: policy/ blocks it otherwise; editors then pin caPem."""
     acme_email: str = key(default="")
     https_port: int = key(check=PORT, default=443)
     http_port: int = key(check=PORT, default=80)

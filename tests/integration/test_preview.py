@@ -1,28 +1,52 @@
-"""A real `pulumi preview` of every stack in stacks/, with the built CLI, offline.
+"""A real `pulumi preview --policy-pack policy/` of every stack in stacks/, with the built CLI, offline.
 
 Stack files hold no secrets; each preview gets throwaway secrets in a temp copy of the
 stack file (`--config-file`). Host addresses are from the documentation range and are
-never contacted: preview runs no remote step.
+never contacted: preview runs no remote step. Each stack is previewed once, with the
+policy pack (tests/integration/test_policy.py holds the stacks it must block). Cloud
+stacks (host.provider hcloud/aws/...) need their provider plugins, which cannot be
+fetched here: their mock tests are in tests/unit/test_cloud.py.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import API_KEY, TINY_CONFIG, ssh_key
 
 ROOT = Path(__file__).resolve().parents[2]
-STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in (ROOT / "stacks").glob("Pulumi.*.yaml"))
+
+
+def _previewable(path: Path) -> bool:
+    host = (yaml.safe_load(path.read_text()).get("config") or {}).get("fimfleet:host") or {}
+    return host.get("provider", "ssh") in ("ssh", "local-vm")
+
+
+STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in (ROOT / "stacks").glob("Pulumi.*.yaml") if _previewable(p))
+POLICY_RESULT = re.compile(r"\[(mandatory|advisory)\]\s+([a-z0-9-]+)")
+
+
+def policy_results(out: str) -> list[tuple[str, str]]:
+    """(enforcement level, policy name) of every policy violation in a preview's output."""
+    return POLICY_RESULT.findall(out)
 
 pytestmark = pytest.mark.integration
 
 
+# Non-local stacks must not use the published local passphrase (./fimfleet refuses it for their
+# secrets), so the temp stack copies get a fresh salt and this throwaway passphrase.
+TEST_PASSPHRASE = "fimfleet-tests-throwaway-passphrase"
+
+
 def pulumi(*args, check=True, **kw):
+    kw["env"] = {**(kw.get("env") or os.environ), "PULUMI_CONFIG_PASSPHRASE": TEST_PASSPHRASE}
     proc = subprocess.run([str(ROOT / "fimfleet"), "pulumi", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, **kw)
     if check and proc.returncode:
@@ -30,19 +54,29 @@ def pulumi(*args, check=True, **kw):
     return proc
 
 
-def stack_copy(stack: str, tmp_path: Path, extra: dict | None = None) -> Path:
+def stack_copy(stack: str, tmp_path: Path, extra: dict | None = None, env: dict | None = None) -> Path:
+    """A temp copy of a stack file with throwaway secrets; `env` (e.g. its own FIMFLEET_BACKEND_URL) goes to every call."""
     cfg = tmp_path / f"Pulumi.{stack}.yaml"
-    shutil.copy(ROOT / "stacks" / f"Pulumi.{stack}.yaml", cfg)
-    pulumi("stack", "select", "--create", stack)
+    text = (ROOT / "stacks" / f"Pulumi.{stack}.yaml").read_text()
+    cfg.write_text("".join(line for line in text.splitlines(True) if not line.startswith("encryptionsalt:")))
+    pulumi("stack", "select", "--create", stack, env=env)
     key = tmp_path / "id"
     key.write_text(ssh_key())
     pulumi("config", "set", "--secret", "fimfleet:sshPrivateKey", "--config-file", str(cfg), "-s", stack,
-           input=ssh_key())
+           input=ssh_key(), env=env)
     for name, value in (("alice", API_KEY), ("bob", API_KEY[::-1])):
-        pulumi("config", "set", "--secret", "--path", f"fimfleet:apiKeys.{name}", value, "--config-file", str(cfg), "-s", stack)
+        pulumi("config", "set", "--secret", "--path", f"fimfleet:apiKeys.{name}", value, "--config-file", str(cfg), "-s", stack, env=env)
     for k, v in (extra or {}).items():
-        pulumi("config", "set", "--path", k, v, "--config-file", str(cfg), "-s", stack)
+        pulumi("config", "set", "--path", k, v, "--config-file", str(cfg), "-s", stack, env=env)
     return cfg
+
+
+def host_key() -> str:
+    """An OpenSSH public key line, standing in for the VM's host key."""
+    from cryptography.hazmat.primitives import serialization
+
+    pub = serialization.load_ssh_private_key(ssh_key().encode(), None).public_key()
+    return pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 
 def fake_testbed(tmp_path: Path) -> Path:
@@ -51,7 +85,8 @@ def fake_testbed(tmp_path: Path) -> Path:
     state.mkdir()
     (state / "id_ed25519").write_text(ssh_key())
     (state / "info.json").write_text(json.dumps({"ssh": {"host": "127.0.0.1", "port": 1, "user": "root",
-                                                         "key": str(state / "id_ed25519")},
+                                                         "key": str(state / "id_ed25519"),
+                                                         "host_key": host_key()},
                                                  "ports": {"22": 1, "443": 2}}))
     return state
 
@@ -66,7 +101,12 @@ def test_preview_every_stack(stack, tmp_path):
         (model / "config.json").write_text(json.dumps(TINY_CONFIG))
         extra["fimfleet:model.localPath"] = str(model)
     cfg = stack_copy(stack, tmp_path, extra)
-    out = pulumi("preview", "-s", stack, "--config-file", str(cfg), "--non-interactive", "--diff").stdout
+    out = pulumi("preview", "-s", stack, "--config-file", str(cfg), "--non-interactive", "--diff",
+                 "--policy-pack", "policy/").stdout
+    # The pack ran (it names itself in the summary) and found nothing mandatory; *-prod stacks get advice.
+    assert re.search(r"fimfleet\|local\|policy\s+0\.1\.0", out), out[-3000:]
+    want = [("advisory", "prod-hardening")] if stack.endswith("-prod") else []
+    assert sorted(set(policy_results(out))) == want
     for resource in ("node-host-preflight", "node-kernel-apply", "node-runtime-service", "node-ingress-nginx",
                      "node-monitor-timer", "node-sla"):
         assert resource in out, f"{resource} missing from the preview of {stack}"

@@ -6,7 +6,8 @@
 // Python program needs: handshake, plugin info, required packages (none: fimfleet's
 // remote steps are dynamic providers), and Run, which starts Pulumi's own
 // `pulumi-language-python-exec` (shipped in sdk/v3, installed next to this binary) in
-// the project's virtualenv with the engine's config.
+// the project's virtualenv with the engine's config. RunPlugin starts Python plugins,
+// which for fimfleet is the CrossGuard policy pack in policy/ (`--policy-pack policy/`).
 package main
 
 import (
@@ -166,6 +167,51 @@ func (h *host) Run(ctx context.Context, req *pulumirpc.RunRequest) (*pulumirpc.R
 		return &pulumirpc.RunResponse{Error: err.Error()}, nil
 	}
 	return &pulumirpc.RunResponse{}, nil
+}
+
+// RunPlugin starts a Python plugin the engine launches through this host: a policy pack
+// (PulumiPolicy.yaml with runtime python) for `--policy-pack`. Like Pulumi's own host for
+// a plain plugin directory, it runs `python <plugin dir> <engine args...>` (the plugin's
+// __main__.py) with the engine's environment, in the interpreter that the plugin's
+// `virtualenv` option names, and streams its output back: the engine reads the plugin's
+// gRPC port from the first stdout line. Cancelling the call (the engine closing the
+// plugin) kills the process. Packaged plugins (pyproject.toml without __main__.py,
+// started through `pulumi.run.plugin`) are not supported.
+func (h *host) RunPlugin(req *pulumirpc.RunPluginRequest, server pulumirpc.LanguageRuntime_RunPluginServer) error {
+	info := req.GetInfo()
+	dir := info.GetProgramDirectory()
+	if _, err := os.Stat(filepath.Join(dir, "__main__.py")); err != nil {
+		return fmt.Errorf("fimfleet's Python host runs a plugin from its __main__.py, and %s has none: %w", dir, err)
+	}
+	python := pythonFor(info)
+	cmd := exec.CommandContext(server.Context(), python, append([]string{dir}, req.GetArgs()...)...)
+	cmd.Dir = req.GetPwd()
+	env := req.GetEnv()
+	if len(env) == 0 {
+		env = os.Environ()
+	}
+	if venvBin := filepath.Dir(python); filepath.IsAbs(venvBin) {
+		env = append(env, "PATH="+venvBin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	}
+	cmd.Env = env
+
+	closer, stdout, stderr, err := rpcutil.MakeRunPluginStreams(server, false)
+	if err != nil {
+		return err
+	}
+	defer closer.Close()
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+
+	if err := cmd.Run(); err != nil {
+		var exitErr *exec.ExitError
+		if errors.As(err, &exitErr) {
+			return server.Send(&pulumirpc.RunPluginResponse{
+				Output: &pulumirpc.RunPluginResponse_Exitcode{Exitcode: int32(exitErr.ExitCode())},
+			})
+		}
+		return fmt.Errorf("starting plugin %s with %s: %w", dir, python, err)
+	}
+	return closer.Close()
 }
 
 // pythonFor picks the interpreter: Pulumi.yaml's runtime option `virtualenv`

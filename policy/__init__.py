@@ -1,0 +1,1 @@
+"""fimfleet's CrossGuard policy pack (see policy/__main__.py); importable for its unit tests."""
