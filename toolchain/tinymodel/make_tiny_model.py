@@ -20,6 +20,7 @@ lm_head rows of the special tokens are zero, so greedy decoding never picks
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.metadata as md
 import json
@@ -279,13 +280,26 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="rebuild even if present")
     args = ap.parse_args()
     out = (args.out or default_out()).resolve()
-    if not args.force and all((out / f).is_file() for f in MODEL_FILES):
-        print(f"[tinymodel] cached: {out}", file=sys.stderr)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        make(out)
-        print(f"[tinymodel] wrote {out}", file=sys.stderr)
-    print(f"TINY_MODEL_DIR={out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Two ./fimfleet commands at once (demo and test) must not share the .tmp build folder:
+    # the second waits, then finds the model built, like every other cache builder here.
+    print(f"TINY_MODEL_DIR={build_locked(out, args.force)}")
+
+
+def build_locked(out: Path, force: bool) -> Path:
+    """Build `out` under an exclusive lock beside it; a finished build found after the wait is reused."""
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[tinymodel] another build holds {lock.name}; waiting", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and all((out / f).is_file() for f in MODEL_FILES):
+            print(f"[tinymodel] cached: {out}", file=sys.stderr)
+        else:
+            make(out)
+            print(f"[tinymodel] wrote {out}", file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

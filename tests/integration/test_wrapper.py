@@ -1,4 +1,5 @@
-"""./fimfleet refuses to write or deploy a real stack's secrets under the published local passphrase."""
+"""The ./fimfleet wrapper: it refuses a real stack's secrets under the published local passphrase, and
+never writes into a .venv directory that the official CLI created."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def test_own_passphrase_or_a_local_stack_passes_the_guard(tmp_path):
     local = fimfleet_pulumi(tmp_path, "config", "set", "--secret", "fimfleet:hfToken", "x", "-s", "local",
                             "--config-file", cfg)
     assert GUARD not in local.stderr
+
+
+def test_a_real_venv_directory_is_named_not_overwritten(tmp_path):
+    # The official CLI's Python host creates .venv as a directory; bootstrap must not put a link inside it.
+    import shutil
+
+    shutil.copy(ROOT / "fimfleet", tmp_path / "fimfleet")
+    shutil.copy(ROOT / "requirements.txt", tmp_path / "requirements.txt")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    proc = subprocess.run([str(tmp_path / "fimfleet"), "bootstrap"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and ".venv is a directory" in proc.stderr and "mv " in proc.stderr, proc.stderr
+    assert list((tmp_path / ".venv").iterdir()) == [tmp_path / ".venv" / "bin"]
