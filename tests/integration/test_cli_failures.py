@@ -1,0 +1,38 @@
+"""Failures a user can read, through the real CLI: an expected failure shows fimfleet's message
+and no Python traceback from the dynamic-provider host (components/errors.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import API_KEY, ssh_key, temp_project
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+def test_unreachable_host_fails_up_with_one_readable_error(tmp_path):
+    project = temp_project(tmp_path)
+    env = {**os.environ, "FIMFLEET_BACKEND_URL": f"file://{tmp_path}/state", "PULUMI_CONFIG_PASSPHRASE": "test-own-passphrase"}
+    (tmp_path / "state").mkdir()
+
+    def pulumi(*args, **kw):
+        return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args, "-s", "cpu-epyc-prod"],
+                              env=env, capture_output=True, text=True, timeout=600, **kw)
+
+    assert pulumi("stack", "init").returncode == 0
+    for args, stdin in ((("config", "set", "--secret", "fimfleet:sshPrivateKey"), ssh_key()),
+                        (("config", "set", "--secret", "--path", "fimfleet:apiKeys.alice", API_KEY), None),
+                        (("config", "set", "--path", "fimfleet:host.address", "127.0.0.1"), None),
+                        (("config", "set", "--path", "fimfleet:host.port", "1"), None)):
+        r = pulumi(*args, input=stdin)
+        assert r.returncode == 0, r.stderr
+    up = pulumi("up", "--yes", "--skip-preview")
+    out = up.stdout + up.stderr
+    assert up.returncode != 0
+    assert "fimfleet.Unreachable: cannot reach root@127.0.0.1:1 over SSH" in out, out[-3000:]
+    assert "Traceback" not in out and 'File "' not in out, out[-3000:]
