@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from components import remote  # noqa: E402
+from components import host, remote  # noqa: E402
 from scripts import local_deploy as ld  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "deploy_time.json"
@@ -70,11 +70,7 @@ def _plain(value):
 
 
 def replay(steps: list[dict], state_dir: Path) -> None:
-    info = json.loads((state_dir / "info.json").read_text())
-    target = remote.SshTarget(host="127.0.0.1", port=info["ssh"]["port"], user="root",
-                              private_key=Path(info["ssh"]["key"]).read_text())
-    client = remote.connect(target)
-    try:
+    with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(state_dir)))) as client:
         for s in steps:
             if s.get("files"):
                 remote.put_files(client, s["files"])
@@ -83,8 +79,6 @@ def replay(steps: list[dict], state_dir: Path) -> None:
             code, _, err = remote.run(client, s["apply"], timeout_s=3600, env=s.get("env"))
             if code:
                 raise SystemExit(f"runbook step {s.get('label')} failed: {err[-2000:]}")
-    finally:
-        client.close()
 
 
 def empty_program_up(tmp: Path) -> float:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pulumi
 
-from components import templates, tiers
+from components import cloud, templates, tiers
 from components.config import StackConfig
 from components.identity import HostIdentity
 from components.remote import RemoteStep
@@ -98,7 +98,9 @@ class Host(pulumi.ComponentResource):
         first = pulumi.ResourceOptions(parent=self, depends_on=[self.instance] if self.instance else [])
         configured_key = cfg.host.host_key or (testbed_connection(cfg.host.testbed_state)["hostKey"]
                                                if cfg.host.kind == "local-vm" else "")
-        self.identity = HostIdentity(f"{name}-identity", connection=base, host_key=configured_key,
+        gone = cfg.host.gone
+        self.identity = HostIdentity(f"{name}-identity", connection=base.apply(lambda c: {**c, "gone": gone}),
+                                     host_key=configured_key,
                                      bastion_host_key=(cfg.host.bastion or {}).get("hostKey", ""), opts=first)
         self.connection = pinned_connection(base, self.identity, cfg.host.gone)
         booted = [cloud.cloud_init_step(f"{name}-cloud-init", self.connection, opts=child)] if self.instance else []

@@ -7,8 +7,9 @@ RemoteStep, verify that key: a changed key is refused with the command that acce
 The identity itself is a random id that fimfleet writes to the host
 (/var/lib/fimfleet/host-id) on first contact. A host that moved to a new address keeps
 it, so nothing is re-applied; a host that was wiped, rebuilt or replaced has none (or
-another), so it gets a new identity, and every step on it (their `identity` input) and
+another), so it gets a new identity, and every step on it (the connection carries it) and
 the SLA check run again. `pulumi refresh` notices a missing id and the next `up` repairs it.
+A host declared gone (`host.gone`) is never contacted.
 No SSH session is opened in `diff`, so a no-op `up` stays offline.
 """
 
@@ -59,6 +60,9 @@ class HostIdentityProvider(ResourceProvider):
 
     @readable_failures
     def update(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> UpdateResult:
+        if news["connection"].get("gone"):
+            # Declared gone: record it without contact, so destroy and refresh skip the host at once.
+            return UpdateResult(outs={**olds, **{k: news[k] for k in ("connection", "hostKey", "bastionHostKey")}})
         moved = _address(olds["connection"]) != _address(news["connection"])
         # The same address keeps the key trusted on first use; a new address is a new first contact.
         pinned = news.get("hostKey") or ("" if moved else olds.get("hostKeySeen", ""))

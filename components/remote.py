@@ -350,8 +350,9 @@ class RemoteStepProvider(ResourceProvider):
         if olds.get("appliedDigest") == _wanted(olds, news):
             # Same host, same content: only the connection changed (a rotated SSH key, a moved
             # host) or the step is being adopted into host identities. Record it, apply nothing.
-            with session(_target(news)) as client:
-                self._mark(client, id_, _digest(news))
+            if not _gone(news):
+                with session(_target(news)) as client:
+                    self._mark(client, id_, _digest(news))
             return UpdateResult(outs={**news, "stdout": olds.get("stdout", ""), "appliedDigest": _digest(news)})
         return UpdateResult(outs=self._outs(news, self._exec(id_, news, "apply")))
 

@@ -3,7 +3,9 @@
 One VM and one stack for the module, steps in order (each names what failed and where):
 up → live kernel values → ingress keys/streaming/ACLs → monitor → no-op second up →
 drift repaired by `up --refresh` → impossible SLA fails and the node keeps serving →
-destroy restores the defaults.
+a changed host key is refused → a killed `up` leaves a lock the demo clears → destroy on an
+unreachable host warns → the VM stopped and a fresh one deployed again (SLA measured again)
+→ destroy restores the defaults.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import httpx
 import pytest
 
 from components import config as fconfig
-from components import kernel, remote
+from components import host, kernel, remote
 from scripts import local_deploy as ld
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
@@ -32,14 +34,8 @@ class Node:
         self.up_seconds = None
 
     def ssh(self, script: str, timeout=120) -> tuple[int, str, str]:
-        info = json.loads((self.state / "info.json").read_text())
-        t = remote.SshTarget(host=info["ssh"]["host"], port=info["ssh"]["port"], user="root",
-                             private_key=Path(info["ssh"]["key"]).read_text())
-        client = remote.connect(t)
-        try:
+        with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(self.state)))) as client:
             return remote.run(client, script, timeout_s=timeout)
-        finally:
-            client.close()
 
     def outputs(self, secrets=False) -> dict:
         return ld.outputs(self.config_file, show_secrets=secrets)
@@ -197,6 +193,75 @@ def test_07_impossible_sla_fails_up_and_node_keeps_serving(node):
         assert r.status_code == 200, r.text
     for k in ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms"):
         node.pulumi("config", "rm", "--path", f"fimfleet:sla.{k}", check=True)
+
+
+def test_07b_changed_host_key_is_refused_with_the_fix(node):
+    impostor = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHYl9LXv+aq1wLQ0WqW7V8bT5pQ3Vq8aH1ZkFh6sYc1E"
+    node.pulumi("config", "set", "--path", "fimfleet:host.hostKey", impostor, check=True)
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    text = proc.stdout + proc.stderr
+    node.pulumi("config", "rm", "--path", "fimfleet:host.hostKey", check=True)
+    assert proc.returncode != 0, "a host presenting another key than the pinned one was accepted"
+    assert "fimfleet.HostKeyChanged" in text and "pulumi config set --path fimfleet:host.hostKey" in text, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert not re.search(r"node-(kernel|runtime|ingress|monitor)\S* +updated", proc.stdout), proc.stdout[-4000:]
+
+
+def test_07c_a_killed_up_leaves_a_lock_that_the_demo_clears(node):
+    node.pulumi("config", "set", "--path", "fimfleet:monitor.intervalS", "20", check=True)
+    argv = [str(ld.ROOT / "fimfleet"), "pulumi", "up", "--yes", "--skip-preview", "-s", "local", "--non-interactive",
+            "--config-file", str(node.config_file)]
+    cli = subprocess.Popen(argv, cwd=ld.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    locks = node.tmp / "state" / ".pulumi" / "locks"
+    deadline = time.monotonic() + 120
+    while not list(locks.glob("**/local/*.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # mid-step: the monitor step is being applied
+    cli.kill()
+    cli.wait()
+    assert list(locks.glob("**/local/*.json")), "the killed CLI left no lock (it finished too early?)"
+    assert ld.clear_stale_lock() is True
+    assert not list(locks.glob("**/local/*.json"))
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    node.pulumi("config", "rm", "--path", "fimfleet:monitor.intervalS", check=True)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert node.pulumi("up", "--yes", "--skip-preview").returncode == 0
+
+
+def _vm(*args):
+    return subprocess.run(["python3", str(ld.VM_PY), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_07d_destroy_on_an_unreachable_host_warns_and_finishes(node):
+    export = json.loads(ld.fimfleet_pulumi("stack", "export", "-s", "local"))
+    urn = next(r["urn"] for r in export["deployment"]["resources"] if r["urn"].endswith("::node-monitor-timer"))
+    assert _vm("hmp", "stop", "--state", str(node.state)).returncode == 0  # the host stops answering
+    try:
+        proc = node.pulumi("destroy", "--yes", "--target", urn)
+    finally:
+        _vm("hmp", "cont", "--state", str(node.state))
+        node.ssh(f"date -s @{int(time.time())} >/dev/null")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "cannot reach" in text and "destroy step was skipped" in text and "Traceback" not in text, text[-4000:]
+    proc = node.pulumi("up", "--yes", "--skip-preview")  # the monitor comes back
+    assert proc.returncode == 0 and "node-monitor-timer" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_07e_vm_stopped_then_deployed_again_measures_the_sla_again(node):
+    """The README's main job run twice with `vm.py stop` between: a fresh VM on a new port is a new host."""
+    before = node.outputs()
+    ld.stop_vm(node.state)
+    ld.start_vm(node.state, ld.prepare()["wheelhouse"])
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    after = node.outputs()
+    assert after["endpoint"] != before["endpoint"]
+    assert after["slaPassed"] is True and after["slaReport"] != before["slaReport"], "the SLA was not measured again"
+    assert re.search(r"node-runtime-service +updated", proc.stdout) or "node-runtime-service" in proc.stdout
 
 
 def test_08_destroy_removes_what_fimfleet_installed(node):

@@ -161,3 +161,19 @@ def test_certificate_is_reissued_only_when_names_change():
     assert not p.diff("id", olds, {"commonName": "a", "dnsNames": ["a"], "ipAddresses": []}).changes
     d = p.diff("id", olds, {"commonName": "a", "dnsNames": ["a", "b"], "ipAddresses": []})
     assert d.changes and d.replaces == ["dnsNames"]
+
+
+def test_a_host_declared_gone_is_recorded_without_contact(monkeypatch):
+    from components import identity
+
+    monkeypatch.setattr(remote, "session", lambda *a, **k: pytest.fail("no SSH to a host declared gone"))
+    monkeypatch.setattr(identity, "session", lambda *a, **k: pytest.fail("no SSH to a host declared gone"))
+    olds = {**applied(props(connection={**CONN, "identity": "a"}))}
+    news = props(connection={**CONN, "identity": "a", "gone": True})
+    assert remote.RemoteStepProvider().update("id", olds, news).outs["connection"]["gone"] is True
+    ident_olds = {"connection": CONN, "hostKey": "", "bastionHostKey": "", "hostKeySeen": "ssh-ed25519 AAAA",
+                  "bastionHostKeySeen": "", "identity": "a", "machineId": "m"}
+    ident_news = {"connection": {**CONN, "gone": True}, "hostKey": "", "bastionHostKey": ""}
+    out = identity.HostIdentityProvider().update("id", ident_olds, ident_news).outs
+    assert out["identity"] == "a" and out["connection"]["gone"] is True
+    assert identity.HostIdentityProvider().read("id", out).outs == out

@@ -158,3 +158,24 @@ def test_gpu_container_requests_gpus():
     r = runtime.render(cfg_for("gpu-l40s"), "node")
     assert "--gpus all" in r.unit_file and "vllm/vllm-openai:v0.32.0" in r.unit_file
     assert "--tensor-parallel-size 1" in r.unit_file and "--gpu-memory-utilization 0.9" in r.unit_file
+
+
+def test_engine_start_reports_progress_with_the_engines_last_log_line(tmp_path):
+    """`pulumi up` shows these lines live (components/remote.py PROGRESS_PREFIX) instead of minutes of dots."""
+    from components import remote, templates
+
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in {"systemctl": "exit 0", "curl": "exit 7",
+                       "journalctl": "echo 'INFO Loading weights took 1.20 seconds'"}.items():
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    script = templates.render("runtime/start.sh.j2", unit="vllm-node.service", served_name="m", port=8000,
+                              timeout_s=3, poll_s=1, report_every_s=1, ready_body="{}", container="c",
+                              env_file="/e", venv="/v", user="u", state_dir="/s", cache_dir="/c", kind="systemd")
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{stubs}:/usr/bin:/bin"})
+    progress = [l for l in proc.stderr.splitlines() if l.startswith(remote.PROGRESS_PREFIX)]
+    assert proc.returncode == 1 and "did not answer a completion within 3 s" in proc.stderr
+    assert progress and "s elapsed" in progress[0] and "s left of 3" in progress[0], proc.stderr
+    assert progress[0].endswith("engine: INFO Loading weights took 1.20 seconds"), progress
