@@ -3,6 +3,7 @@ real tools, the textfile exports are valid Prometheus text, and the component's 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -315,3 +316,15 @@ def test_component_refuses_bad_args_before_any_resource(recorder):
     with pytest.raises(ConfigError, match="monitoring.listen"):
         m.Monitoring("bad", make_args(listen="0.0.0.0:9090"), {"host": "h"})
     assert not [r for r in recorder.registrations if r["name"].startswith("bad")]
+
+
+def test_ttft_buckets_are_dense_and_hold_the_sla_limits():
+    b = m.ttft_histogram_buckets([800, 250.5])
+    assert b == sorted(set(b)) and all(x > 0 for x in b)
+    assert 0.8 in b and 0.2505 in b
+    assert b[0] <= 0.005 and b[-1] >= 60
+    assert max(hi / lo for lo, hi in zip(b, b[1:])) <= m.TTFT_BUCKET_RATIO * 1.001
+    assert len(b) <= 80  # one series each, per engine
+    flag, value = m.vllm_histogram_args([800])
+    assert flag == "--custom-histogram-buckets"
+    assert json.loads(value) == {"time_to_first_token": m.ttft_histogram_buckets([800])}
