@@ -141,13 +141,13 @@ def make_tls(directory: Path) -> TlsFiles:
 class Upstream:
     """sse_upstream.py as a subprocess on 127.0.0.1 (port chosen by the kernel)."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, first_delay_ms: int = FIRST_DELAY_MS):
         port_file = workdir / "upstream.port"
         self.log = open(workdir / "upstream.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, str(UPSTREAM_SCRIPT), "--port", "0", "--port-file", str(port_file),
              "--chunks", str(CHUNKS), "--delay-ms", str(CHUNK_DELAY_MS),
-             "--first-delay-ms", str(FIRST_DELAY_MS)],
+             "--first-delay-ms", str(first_delay_ms)],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         try:
