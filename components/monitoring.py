@@ -48,6 +48,7 @@ UNIT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}\.service$")
 DURATION_RE = re.compile(r"^[1-9][0-9]{0,5}[smhdw]$")
 PATH_RE = re.compile(r"^/[A-Za-z0-9_./-]*$")
 LOOPBACK = ("127.0.0.1", "[::1]", "localhost")
+NAME_FIX = "must be a name of letters, digits, '.', '_' or '-'"
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def problems(args: MonitoringArgs) -> list[Problem]:
     for i, n in enumerate(args.nodes):
         key = f"monitoring.nodes[{i}]"
         if not NAME_RE.match(str(n.name)) or n.name in seen:
-            out.append(Problem(f"{key}.name", n.name, "must be a unique name of letters, digits, '.', '_' or '-'"))
+            out.append(Problem(f"{key}.name", n.name, f"{NAME_FIX}, unique"))
         seen.add(n.name)
         u = urlsplit(str(n.metrics_url))
         if u.scheme != "https" or not u.hostname or not PATH_RE.match(u.path or "/") or u.query or u.username:
@@ -180,7 +181,7 @@ def problems(args: MonitoringArgs) -> list[Problem]:
                                f"node {n.name}'s ingress would refuse Prometheus at {src}: add {src}/32"))
     for i, e in enumerate(args.exporters):
         if not NAME_RE.match(str(e.host)):
-            out.append(Problem(f"monitoring.exporters[{i}].host", e.host, "must be a name of letters, digits, '.', '_' or '-'"))
+            out.append(Problem(f"monitoring.exporters[{i}].host", e.host, NAME_FIX))
         if not _split_hostport(e.address):
             out.append(Problem(f"monitoring.exporters[{i}].address", e.address, "must be host:port, like 10.0.0.5:9100"))
         if e.role not in ("node", "gateway"):
@@ -217,7 +218,7 @@ def problems(args: MonitoringArgs) -> list[Problem]:
 def exporter_problems(e: ExporterArgs) -> list[Problem]:
     out = []
     if not NAME_RE.match(str(e.host)):
-        out.append(Problem("monitoring.exporter.host", e.host, "must be a name of letters, digits, '.', '_' or '-'"))
+        out.append(Problem("monitoring.exporter.host", e.host, NAME_FIX))
     if not _split_hostport(e.listen):
         out.append(Problem("monitoring.exporter.listen", e.listen, "must be host:port, like 127.0.0.1:9100"))
     for node, unit in e.monitors:
@@ -244,8 +245,7 @@ def check(args: MonitoringArgs, exporter: ExporterArgs | None = None, sla_nodes=
 
 
 def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(w[:1].upper() + w[1:] for w in rest)
+    return re.sub(r"_([a-z0-9])", lambda mt: mt.group(1).upper(), name)
 
 
 def _positive(v) -> bool:

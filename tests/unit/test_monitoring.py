@@ -328,3 +328,21 @@ def test_ttft_buckets_are_dense_and_hold_the_sla_limits():
     flag, value = m.vllm_histogram_args([800])
     assert flag == "--custom-histogram-buckets"
     assert json.loads(value) == {"time_to_first_token": m.ttft_histogram_buckets([800])}
+
+
+@pulumi.runtime.test
+def test_node_exporter_on_another_host(recorder):
+    conn = pulumi.Output.secret({"host": "10.0.0.7", "port": 22, "user": "root", "privateKey": "KEY"})
+    ne = m.NodeExporter("b-exporter", m.ExporterArgs("b", listen="10.0.0.7:9100", monitors=(("b", "vllm-b.service"),)), conn)
+
+    def check(_):
+        regs = {r["name"]: r for r in recorder.registrations}
+        assert regs["b-exporter"]["type"] == "fimfleet:monitoring:NodeExporter"
+        step = regs["b-exporter-exporter"]
+        assert step["parent"] == regs["b-exporter"]["urn"]
+        files = step["inputs"]["files"]
+        files = files["value"] if isinstance(files, dict) else files  # a secret arrives wrapped
+        default = next(f["content"] for f in files if f["path"].endswith("default-prometheus-node-exporter"))
+        assert "--web.listen-address=10.0.0.7:9100" in default and "vllm-b[.]service" in default
+
+    return pulumi.Output.all(*[s.id for s in ne.steps]).apply(check)
