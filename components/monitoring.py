@@ -144,8 +144,12 @@ class MonitoringArgs:
     """Dashboard title."""
 
 
+HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+)(?::([0-9]{1,5}))?$")
+
+
 def _split_hostport(value: str) -> tuple[str, int] | None:
-    m = re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$", value or "")
+    m = HOSTPORT_RE.match(str(value or ""))
+    m = m if m and m.group(2) else None
     return (m.group(1), int(m.group(2))) if m and 0 < int(m.group(2)) < 65536 else None
 
 
@@ -165,7 +169,7 @@ def problems(args: MonitoringArgs) -> list[Problem]:
             out.append(Problem(f"{key}.name", n.name, f"{NAME_FIX}, unique"))
         seen.add(n.name)
         u = urlsplit(str(n.metrics_url))
-        if u.scheme != "https" or not u.hostname or not PATH_RE.match(u.path or "/") or u.query or u.username:
+        if u.scheme != "https" or not HOSTPORT_RE.match(u.netloc) or not PATH_RE.match(u.path or "/") or u.query:
             out.append(Problem(f"{key}.metricsUrl", n.metrics_url, "must be the ingress's https URL, like https://10.0.0.5/metrics"))
             continue
         if n.server_name and not re.match(r"^[A-Za-z0-9.-]+$", n.server_name):
@@ -180,58 +184,54 @@ def problems(args: MonitoringArgs) -> list[Problem]:
             out.append(Problem("ingress.metricsAllowCidrs", list(n.allow_cidrs),
                                f"node {n.name}'s ingress would refuse Prometheus at {src}: add {src}/32"))
     for i, e in enumerate(args.exporters):
-        if not NAME_RE.match(str(e.host)):
-            out.append(Problem(f"monitoring.exporters[{i}].host", e.host, NAME_FIX))
-        if not _split_hostport(e.address):
-            out.append(Problem(f"monitoring.exporters[{i}].address", e.address, "must be host:port, like 10.0.0.5:9100"))
-        if e.role not in ("node", "gateway"):
-            out.append(Problem(f"monitoring.exporters[{i}].role", e.role, "must be node or gateway"))
-    for name in ("listen", "alertmanager_listen"):
-        hp = _split_hostport(getattr(args, name))
-        if not hp or hp[0] not in LOOPBACK:
-            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name),
-                               "must be a loopback address like 127.0.0.1:9090: never open to the internet (use the SSH tunnel)"))
-    for name in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "decode_ceiling_tokens_per_s"):
-        if not _positive(getattr(args, name)):
-            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name), "must be a number above 0"))
-    for name, hi in (("min_decode_tokens_per_s", 10**6), ("max_steal_percent", 100), ("kv_cache_alert_ratio", 1)):
-        v = getattr(args, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= hi:
-            out.append(Problem(f"monitoring.{_camel(name)}", v, f"must be a number from 0 to {hi}"))
-    for name in ("rate_window", "retention", "ttft_for", "steal_for", "kv_cache_for", "down_for",
-                 "probe_failing_for", "restart_loop_window", "repeat_interval"):
-        if not DURATION_RE.match(str(getattr(args, name))):
-            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name), "must be a duration like 30s, 5m or 2h"))
-    for name in ("scrape_interval_s", "evaluation_interval_s", "probe_interval_s", "restart_loop_count"):
-        v = getattr(args, name)
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 3600:
-            out.append(Problem(f"monitoring.{_camel(name)}", v, "must be a whole number from 1 to 3600"))
-    url = args.alertmanager_webhook_url
-    if url and not re.match(r"^https?://[^\s\"'\\]+$", str(url)):
-        out.append(Problem("monitoring.alertmanagerWebhookUrl", url, "must be an http(s) URL, or empty to leave Alertmanager off"))
-    for name in ("config_dir", "textfile_dir"):
-        if not PATH_RE.match(str(getattr(args, name))):
-            out.append(Problem(f"monitoring.{_camel(name)}", getattr(args, name), "must be an absolute path"))
-    return out
+        out += _fields(e, f"monitoring.exporters[{i}]", (
+            (("host",), NAME_RE.match, NAME_FIX), (("address",), _split_hostport, "must be host:port, like 10.0.0.5:9100"),
+            (("role",), lambda v: v in ("node", "gateway"), "must be node or gateway")))
+    return out + _fields(args, "monitoring", (
+        (("listen", "alertmanager_listen"), lambda v: (_split_hostport(v) or ("",))[0] in LOOPBACK,
+         "must be a loopback address like 127.0.0.1:9090: never open to the internet (use the SSH tunnel)"),
+        (("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "decode_ceiling_tokens_per_s"), _number(1e-9, 1e9),
+         "must be a number above 0"),
+        (("min_decode_tokens_per_s",), _number(0, 1e6), "must be a number from 0 to 1000000"),
+        (("max_steal_percent",), _number(0, 100), "must be a number from 0 to 100"),
+        (("kv_cache_alert_ratio",), _number(0, 1), "must be a number from 0 to 1"),
+        (("rate_window", "retention", "ttft_for", "steal_for", "kv_cache_for", "down_for", "probe_failing_for",
+          "restart_loop_window", "repeat_interval"), DURATION_RE.match, "must be a duration like 30s, 5m or 2h"),
+        (("scrape_interval_s", "evaluation_interval_s", "probe_interval_s", "restart_loop_count"), _number(1, 3600, whole=True),
+         "must be a whole number from 1 to 3600"),
+        (("alertmanager_webhook_url",), lambda v: not v or re.match(r"^https?://[^\s\"'\\]+$", v),
+         "must be an http(s) URL, or empty to leave Alertmanager off"),
+        (("config_dir", "textfile_dir"), PATH_RE.match, "must be an absolute path")))
 
 
 def exporter_problems(e: ExporterArgs) -> list[Problem]:
+    out = _fields(e, "monitoring.exporter", (
+        (("host",), NAME_RE.match, NAME_FIX), (("listen",), _split_hostport, "must be host:port, like 127.0.0.1:9100"),
+        (("textfile_dir", "run_dir", "state_dir"), PATH_RE.match, "must be an absolute path"),
+        (("interval_s",), _number(1, 3600, whole=True), "must be a whole number from 1 to 3600")))
+    out += [Problem("monitoring.exporter.monitors", [node, unit], "must be a node name and its engine's .service unit")
+            for node, unit in e.monitors if not (NAME_RE.match(str(node)) and UNIT_RE.match(str(unit)))]
+    return out + [Problem("monitoring.exporter.watchedUnits", u, "must be a systemd .service unit")
+                  for u in e.watched_units if not UNIT_RE.match(str(u))]
+
+
+def _number(lo, hi, whole=False):
+    kinds = int if whole else (int, float)
+    return lambda v: isinstance(v, kinds) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _fields(obj, prefix: str, rules) -> list[Problem]:
+    """A Problem for each field whose value fails its rule; rules: ((field names), ok(value), fix)."""
     out = []
-    if not NAME_RE.match(str(e.host)):
-        out.append(Problem("monitoring.exporter.host", e.host, NAME_FIX))
-    if not _split_hostport(e.listen):
-        out.append(Problem("monitoring.exporter.listen", e.listen, "must be host:port, like 127.0.0.1:9100"))
-    for node, unit in e.monitors:
-        if not NAME_RE.match(str(node)) or not UNIT_RE.match(str(unit)):
-            out.append(Problem("monitoring.exporter.monitors", [node, unit], "must be a node name and its engine's .service unit"))
-    for unit in e.watched_units:
-        if not UNIT_RE.match(str(unit)):
-            out.append(Problem("monitoring.exporter.watchedUnits", unit, "must be a systemd .service unit"))
-    for name in ("textfile_dir", "run_dir", "state_dir"):
-        if not PATH_RE.match(str(getattr(e, name))):
-            out.append(Problem(f"monitoring.exporter.{_camel(name)}", getattr(e, name), "must be an absolute path"))
-    if not isinstance(e.interval_s, int) or not 1 <= e.interval_s <= 3600:
-        out.append(Problem("monitoring.exporter.intervalS", e.interval_s, "must be a whole number from 1 to 3600"))
+    for names, ok, fix in rules:
+        for name in names:
+            value = getattr(obj, name)
+            try:
+                good = bool(ok(value))
+            except TypeError:  # e.g. a number where a string belongs
+                good = False
+            if not good:
+                out.append(Problem(f"{prefix}.{_camel(name)}", value, fix))
     return out
 
 
@@ -246,10 +246,6 @@ def check(args: MonitoringArgs, exporter: ExporterArgs | None = None, sla_nodes=
 
 def _camel(name: str) -> str:
     return re.sub(r"_([a-z0-9])", lambda mt: mt.group(1).upper(), name)
-
-
-def _positive(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 # ----------------------------------------------------------------------------- rendering

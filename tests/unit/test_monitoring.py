@@ -62,6 +62,8 @@ def test_loopback_urls_are_reached_from_loopback_whatever_the_scraper():
     ({"nodes": (m.ScrapeNode('a"} or vector(1) #', "https://127.0.0.1/metrics"),)}, "monitoring.nodes[0].name"),
     ({"nodes": (m.ScrapeNode("a", "http://127.0.0.1/metrics"),)}, "monitoring.nodes[0].metricsUrl"),
     ({"nodes": (m.ScrapeNode("a", "https://127.0.0.1/metrics?x=1"),)}, "monitoring.nodes[0].metricsUrl"),
+    ({"nodes": (m.ScrapeNode("a", 'https://a"b:443/metrics'),)}, "monitoring.nodes[0].metricsUrl"),
+    ({"nodes": (m.ScrapeNode("a", "https://user@127.0.0.1/metrics"),)}, "monitoring.nodes[0].metricsUrl"),
     ({"nodes": (m.ScrapeNode("a", "https://127.0.0.1/metrics", allow_cidrs=("ten/8",)),)}, "monitoring.nodes[0].allowCidrs"),
     ({"exporters": (m.ExporterTarget("h", "10.0.0.9"),)}, "monitoring.exporters[0].address"),
     ({"exporters": (m.ExporterTarget("h", role="db"),)}, "monitoring.exporters[0].role"),
