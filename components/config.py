@@ -145,9 +145,13 @@ class IngressConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    interval_s: int = key(check=_range(5, 3600), default=15)
-    failure_threshold: int = key(check=_range(1, 100), default=3)
-    probe_timeout_s: int = key(check=_range(1, 600), default=30)
+    interval_s: int = key(check=_range(5, 3600), default=5)
+    failure_threshold: int = key(check=_range(1, 100), default=2)
+    probe_timeout_s: int = key(check=_range(1, 600))
+    """Unset: derived from sla.ttftP99Ms (components/monitor.py settings)."""
+    stall_s: int = key(check=_range(10, 3600), default=30)
+    """Seconds without an engine step (vLLM's own /metrics unchanged) before a failing engine counts
+    as hung; must exceed the engine's longest single step (a full maxNumBatchedTokens prefill)."""
     watchdog: bool = key(default=False)
 
 

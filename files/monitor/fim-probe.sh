@@ -8,7 +8,8 @@
 set -euo pipefail
 # shellcheck disable=SC1090
 source "$1"
-body=$(printf '{"model": "%s", "prompt": "<|fim_prefix|>def probe_%s(x):\\n    return <|fim_suffix|>\\n<|fim_middle|>", "max_tokens": 1, "temperature": 0}' "$MODEL" "$(date +%s%N)")
+model=${MODEL//\\/\\\\}; model=${model//\"/\\\"}  # a JSON string: backslashes and quotes escaped
+body=$(printf '{"model": "%s", "prompt": "<|fim_prefix|>def probe_%s(x):\\n    return <|fim_suffix|>\\n<|fim_middle|>", "max_tokens": 1, "temperature": 0}' "$model" "$(date +%s%N)")
 rc=0
 out=$(curl -sS -m "$PROBE_TIMEOUT_S" --cacert "$PROBE_CA" -w '\n%{http_code}' \
   -H "Authorization: Bearer $(cat "$PROBE_KEY_FILE")" -H 'Content-Type: application/json' \

@@ -1,23 +1,42 @@
 #!/bin/bash
-# fimfleet recovery manager, run by a systemd timer. Counts failed deep probes in a row
-# under /run; after FAILURE_THRESHOLD of them it restarts the engine, and if the restart
-# does not bring it back it SIGKILLs that engine's processes only (its unit's cgroup or its
-# container, never a name pattern) and clears that engine's stale shared memory.
-# Usage: recover.sh ENV_FILE   (ENGINE_UNIT, CONTAINER, SERVICE_USER, FAILURE_THRESHOLD, GRACE_S, + probe vars)
+# fimfleet recovery manager, run by a systemd timer (components/monitor.py explains the rule).
+# Each round: one deep probe, then vLLM's own step metrics from the engine's /metrics.
+#   probe ok                           -> healthy
+#   probe failed, metrics moved        -> busy: the engine is finishing steps, never restarted
+#   probe failed, metrics still        -> a failure; after FAILURE_THRESHOLD failures in a row
+#                                         AND STALL_S seconds without a step, the engine is hung
+# A hung engine is restarted; if the restart does not bring it back, the next verdict SIGKILLs
+# that engine's processes only (its unit's cgroup or its container, never a name pattern) and
+# clears that engine's stale shared memory.
+# Usage: recover.sh ENV_FILE   (monitor.env.j2: ENGINE_UNIT, CONTAINER, SERVICE_USER,
+#        STATE_DIR, FAILURE_THRESHOLD, GRACE_S, STALL_S, RESTART_TIMEOUT_S, METRICS_URL, METRICS_TIMEOUT_S + probe vars)
 # Exit: 0 = probe ok, or a failure was counted/handled; 3 = configuration error (see fim-probe.sh).
 set -uo pipefail
 # shellcheck disable=SC1090
 source "$1"
-state="/run/fimfleet/monitor-${ENGINE_UNIT%.service}"
+state=${STATE_DIR:-/run/fimfleet/monitor-${ENGINE_UNIT%.service}}
 mkdir -p "$state"
 log() { echo "$*"; logger -t fimfleet-monitor -- "$ENGINE_UNIT: $*" 2>/dev/null || true; }
-now=$(date +%s)
 failures=$(cat "$state/failures" 2>/dev/null || echo 0)
 
+# What the engine core last reported through its own /metrics (loopback, no key): token
+# counters, KV cache use and request gauges. They change only when the engine finishes a
+# step (a decode step or a prefill chunk); empty when /metrics does not answer in time.
+engine_sample() {
+  curl -sS -m "$METRICS_TIMEOUT_S" "$METRICS_URL" 2>/dev/null | awk '
+    /^vllm:(prompt_tokens_total|generation_tokens_total|kv_cache_usage_perc|num_requests_running|num_requests_waiting)[{ ]/ {
+      s = s $NF " " } END { printf "%s", s }'
+}
+
 rc=0; "$(dirname "$0")/fim-probe.sh" "$1" 2>"$state/last-error" || rc=$?
+sample=$(engine_sample || true)
+prev=$(cat "$state/engine-sample" 2>/dev/null || true)
+printf '%s' "$sample" > "$state/engine-sample"
+now=$(date +%s)
+[ -s "$state/progress-at" ] || echo "$now" > "$state/progress-at"
 if [ "$rc" -eq 0 ]; then
   [ "$failures" -gt 0 ] && log "probe ok again after $failures failure(s)"
-  echo 0 > "$state/failures"; echo "$now ok" > "$state/last"
+  echo 0 > "$state/failures"; echo "$now ok" > "$state/last"; echo "$now" > "$state/progress-at"
   rm -f "$state/restarted-at" "$state/stage"
   exit 0
 fi
@@ -27,6 +46,13 @@ if [ "$rc" -eq 3 ]; then
   echo "$now config-error $(head -c 300 "$state/last-error")" > "$state/last"
   log "configuration error, NOT restarting $ENGINE_UNIT: $(head -c 200 "$state/last-error")"
   exit 3
+fi
+# The engine finished steps since the last round: the probe waited behind real work. Busy, not hung.
+if [ -n "$sample" ] && [ "$sample" != "$prev" ]; then
+  echo "$now" > "$state/progress-at"; echo 0 > "$state/failures"
+  echo "$now busy $(head -c 300 "$state/last-error")" > "$state/last"
+  log "probe failed but the engine is working (vLLM metrics '${prev:-none}' -> '$sample'): busy, not restarting"
+  exit 0
 fi
 echo "$now fail $(head -c 300 "$state/last-error")" > "$state/last"
 
@@ -38,14 +64,16 @@ if [ $(( now - restarted )) -lt "$GRACE_S" ] && systemctl is-active -q "$ENGINE_
 fi
 
 failures=$((failures + 1)); echo "$failures" > "$state/failures"
-log "probe failed ($failures/$FAILURE_THRESHOLD): $(head -c 200 "$state/last-error")"
+stalled=$(( now - $(cat "$state/progress-at") ))
+log "probe failed ($failures/$FAILURE_THRESHOLD), engine idle for ${stalled}s (hung at ${STALL_S}s): $(head -c 200 "$state/last-error")"
 [ "$failures" -lt "$FAILURE_THRESHOLD" ] && exit 0
+[ "$stalled" -lt "$STALL_S" ] && exit 0
 
 systemctl is-active -q nginx || { log "nginx is down: restarting it"; systemctl restart nginx; }
 stage=$(cat "$state/stage" 2>/dev/null || echo 0)
 if [ "$stage" = 0 ]; then
-  log "restarting $ENGINE_UNIT"
-  timeout 90 systemctl restart "$ENGINE_UNIT" || log "restart did not finish in 90s"
+  log "hung: restarting $ENGINE_UNIT"
+  timeout "$RESTART_TIMEOUT_S" systemctl restart "$ENGINE_UNIT" || log "restart did not finish in ${RESTART_TIMEOUT_S}s"
   echo 1 > "$state/stage"
 else
   log "escalating: SIGKILL to the processes of $ENGINE_UNIT, clearing its shared memory, starting it again"
@@ -57,5 +85,5 @@ else
   systemctl start "$ENGINE_UNIT"
   echo 0 > "$state/stage"
 fi
-date +%s > "$state/restarted-at"
+date +%s | tee "$state/restarted-at" > "$state/progress-at"
 echo 0 > "$state/failures"

@@ -1,0 +1,68 @@
+"""Monitor settings per tier, and the env file that root bash sources every round.
+
+The restart timing itself is measured against real vLLM in
+tests/integration/test_monitor_recovery.py; this checks the arithmetic and the quoting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components import config, monitor, tiers
+from tests.helpers import TINY_CONFIG, raw_config
+
+STACKS = Path(__file__).resolve().parents[2] / "stacks"
+
+
+def stack_monitor(stack: str) -> dict:
+    """The fimfleet:monitor section a stack file sets (most set none)."""
+    return (yaml.safe_load((STACKS / f"Pulumi.{stack}.yaml").read_text())["config"] or {}).get("fimfleet:monitor") or {}
+
+
+def settings_for(tier: str, model: dict | None = None, **monitor_cfg) -> monitor.Settings:
+    sections = {"monitor": monitor_cfg} if monitor_cfg else {}
+    raw, secret = raw_config(tier, **sections, **({"model": model} if model else {}))
+    return monitor.settings(config.parse(raw, secret))
+
+
+@pytest.mark.parametrize("tier", sorted(n for n in tiers.TIERS if n != "local-vm"))
+def test_every_tier_detects_a_hang_within_the_budget(tier):
+    s = settings_for(tier)
+    assert s.detection_bound_s <= monitor.DETECT_BUDGET_S, s
+    # the probe waits at least twice the SLA's TTFT p99 unless the budget caps it
+    p99_s = tiers.TIERS[tier].sla["ttftP99Ms"] / 1000
+    assert s.probe_timeout_s >= min(2 * p99_s, monitor.DETECT_BUDGET_S / s.failure_threshold - s.interval_s - 2)
+
+
+def test_local_stack_detects_a_hang_within_the_budget(tmp_path):
+    """The local stack file's own monitor settings (if any) on the local-vm tier."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    s = settings_for("local-vm", model={"source": "local", "localPath": str(tmp_path)}, **stack_monitor("local"))
+    assert s.detection_bound_s <= monitor.DETECT_BUDGET_S, s
+
+
+def test_explicit_probe_timeout_wins_and_the_bound_says_so():
+    s = settings_for("cpu-epyc-prod", probeTimeoutS=60, intervalS=30)
+    assert s.probe_timeout_s == 60
+    assert s.detection_bound_s == 2 * (30 + 60 + 2)  # the settings that took 277 s before
+
+
+def test_env_file_is_data_when_sourced(tmp_path):
+    """A hostile served model name (it comes from config) stays a value in root's shell."""
+    raw, secret = raw_config("cpu-epyc-prod")
+    cfg = config.parse(raw, secret)
+    hostile = "m$(touch pwned1)`touch pwned2`'; touch pwned3; '\"x\nTOUCH=1"
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, served_name=hostile))
+    env = next(f["content"] for f in monitor.render_files(cfg, "node", "vllm-node.service", "k" * 32, "CA")
+               if f["path"].endswith(".env"))
+    (tmp_path / "monitor.env").write_text(env)
+    out = subprocess.run(["bash", "-c", 'set -eu; source ./monitor.env; printf "%s" "$MODEL"'], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert out == hostile
+    assert not list(tmp_path.glob("pwned*"))
