@@ -10,6 +10,7 @@ from __future__ import annotations
 import pulumi
 
 from components import templates
+from components.cloud_types import CLOUD_PROVIDERS
 from components.config import StackConfig
 from components.host import testbed_forwards
 from components.ingress_render import (NGINX_DROPIN_PATH, IngressSpec, _is_ip, body_size_for, ingress_install_plan,
@@ -97,20 +98,24 @@ class NginxIngress(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         i = cfg.ingress
         conn = pulumi.Output.from_input(connection)
+        cloud = cfg.host.kind in CLOUD_PROVIDERS
         if cfg.host.kind == "local-vm":
             fwd = testbed_forwards(cfg.host.testbed_state)
             host_name, port = "127.0.0.1", fwd[i.https_port]
             self.endpoint = pulumi.Output.from_input(endpoint_url(host_name, port))
         else:
-            host_name = public_name(cfg, cfg.host.address)
-            self.endpoint = pulumi.Output.from_input(endpoint_url(host_name, i.https_port))
+            # A cloud instance's address exists only once the instance does: read it from the connection.
+            address = (pulumi.Output.unsecret(conn.apply(lambda c: c["host"])) if cloud
+                       else pulumi.Output.from_input(cfg.host.address))
+            self.endpoint = address.apply(lambda a: endpoint_url(public_name(cfg, a), i.https_port))
         self.probe_endpoint = self.endpoint
 
         if i.tls == "self-signed":
             ips = [a for a in {cfg.host.address, "127.0.0.1"} if a and _is_ip(a)]
             dns = sorted({n for n in (i.domain, cfg.host.address, "localhost") if n and not _is_ip(n)})
             cert = SelfSignedCertificate(f"{name}-cert", common_name=i.domain or cfg.host.address or "localhost",
-                                         dns_names=dns, ip_addresses=sorted(ips),
+                                         dns_names=dns, ip_addresses=(address.apply(lambda a: sorted({a, *ips}))
+                                                                      if cloud else sorted(ips)),
                                          validity_days=i.cert_validity_days, opts=child)
             cert_pem, key_pem, self.ca_pem = cert.certPem, cert.keyPem, cert.caPem
         elif i.tls == "provided":
