@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from components import grammar, models, sizing
+from components.cloud_types import PROVIDERS
 from components.tiers import TIERS, Tier
 
 NAMESPACE = "fimfleet"
@@ -63,7 +64,10 @@ POSITIVE = _range(1, 10**9)
 
 @dataclass(frozen=True)
 class HostConfig:
-    kind: str = key(choices=("ssh", "local-vm"), default="ssh")
+    provider: str = key(choices=PROVIDERS)
+    """How the host is obtained (components/cloud_types.py); unset: host.kind, else ssh."""
+    kind: str = key(choices=PROVIDERS)
+    """Older name of host.provider, still accepted; after parsing both hold the provider."""
     address: str = key(default="")
     port: int = key(check=PORT, default=22)
     user: str = key(default="root")
@@ -83,6 +87,17 @@ class HostConfig:
     gpu_model: str = key()
     gpu_count: int = key(check=_range(0, 16))
     gpu_memory_gib: int = key(check=_range(0, 1024))
+    region: str = key(default="")
+    """Cloud providers: Hetzner location (fsn1) or AWS region (us-east-1); unset: the provider's default."""
+    instance_type: str = key(default="")
+    """Cloud providers: a type from cloud_types.TYPES; unset: the cheapest that carries the tier."""
+    image: str = key(default="")
+    """Cloud providers: a Hetzner image name or an AMI ID; unset: looked up (GPU: NVIDIA driver + container toolkit)."""
+    admin_cidrs: list = key(default=())
+    """Cloud providers: the only networks allowed to SSH in (fimfleet connects from one of them)."""
+    dns_zone: str = key(default="")
+    """Cloud providers: DNS zone on the same provider that gets an A record for ingress.domain."""
+
 
 
 @dataclass(frozen=True)
@@ -310,6 +325,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
                       hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""))
 
     host, model, engine, runtime, ingress = sec["host"], sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
+    host = sec["host"] = _check_cloud(host, raw.get("host"), tier, ingress, secrets, problems)
     checks.check_host(host, secrets, problems)
     model_spec = checks.check_model(model, tier, problems)
     checks.check_engine(engine, host, tier, model_spec, problems)
@@ -330,6 +346,43 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     if problems:
         raise ConfigError(problems)
     return StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=memory, **sec)
+
+
+LOCAL_PASSPHRASE = "fimfleet-local"
+"""The local test stacks' published passphrase (./fimfleet sets it for them); never for a real stack."""
+
+
+def is_local_stack(stack: str) -> bool:
+    return stack == "local" or stack.startswith("local-")
+
+
+def check_passphrase(stack: str, dry_run: bool, environ=None, stack_dir: Path | None = None) -> None:
+    """Refuse to deploy a real stack whose secrets are encrypted with the published passphrase.
+
+    ./fimfleet refuses it before `config set --secret` and `up`; this covers the official CLI."""
+    import os
+
+    env = os.environ if environ is None else environ
+    if dry_run or is_local_stack(stack) or env.get("PULUMI_CONFIG_PASSPHRASE") != LOCAL_PASSPHRASE:
+        return
+    stack_file = (stack_dir or Path(__file__).resolve().parent.parent / "stacks") / f"Pulumi.{stack}.yaml"
+    text = stack_file.read_text() if stack_file.exists() else ""
+    if re.search(r"^secretsprovider: *(?!passphrase)[a-z]+://", text, re.M):
+        return
+    raise ConfigError([Problem("env:PULUMI_CONFIG_PASSPHRASE", "<the local test stacks' passphrase>",
+                               f"stack {stack} must not encrypt its secrets with the passphrase published for the local "
+                               "test stacks: export PULUMI_CONFIG_PASSPHRASE=<your own> (then re-set the secrets), or "
+                               f"pulumi stack change-secrets-provider -s {stack} awskms://... (or another KMS)")])
+
+
+def _check_cloud(host, raw_host, tier, ingress, secrets, problems) -> HostConfig:
+    """Resolve host.provider; a cloud host gets its hardware facts from its instance type (before
+    the engine and sizing checks read them). Rules: components/cloud_types.py."""
+    from components import cloud_types
+
+    host, found = cloud_types.check(host, raw_host, tier, ingress, secrets)
+    problems.extend(found)
+    return host
 
 
 LOCAL_PASSPHRASE = "fimfleet-local"
@@ -389,6 +442,8 @@ def from_mapping(values: dict[str, str], secret_full_keys: frozenset[str]) -> St
     for k in ("sshPrivateKey", "hfToken", "tlsCert", "tlsKey", "tier"):
         if k in raw and not isinstance(raw[k], str):
             raw[k] = values[prefix + k]
+    from components.cloud_types import plain_credentials
+    foreign += plain_credentials(values, secret_full_keys)
     try:
         cfg = parse(raw, frozenset(secret))
     except ConfigError as err:
