@@ -89,9 +89,9 @@ INT_RULES = {
     "https_port": (1, 65535),
     "http_port": (1, 65535),
     "upstream_port": (1, 65535),
-    "rate_per_second": (1, 100000),
+    "rate_per_second": (1, 10000),
     "burst": (0, 100000),
-    "read_timeout_s": (1, 86400),
+    "read_timeout_s": (10, 86400),
     "connect_timeout_s": (1, 300),
     "keepalive": (1, 4096),
     "upstream_keepalive_timeout_s": (1, 3600),
@@ -205,7 +205,7 @@ def _redact(key: object) -> str:
 
 def _int_problem(value: object, lo: int, hi: int) -> Optional[str]:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        return f"use an integer from {lo} to {hi}"
+        return f"must be between {lo} and {hi}"
     return None
 
 

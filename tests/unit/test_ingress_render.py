@@ -397,7 +397,7 @@ def test_invalid_spec_raises_value_error_naming_the_field(field, overrides, tmp_
 def test_error_message_names_value_and_fix(tmp_path, tls):
     with pytest.raises(ValueError, match=r"IngressSpec\.metrics_allow_cidrs: invalid value '10\.0\.0\.1/8'.*10\.0\.0\.0/8"):
         make_spec(tmp_path, tls, metrics_allow_cidrs=("10.0.0.1/8",))
-    with pytest.raises(ValueError, match=r"IngressSpec\.https_port: invalid value 0; use an integer from 1 to 65535"):
+    with pytest.raises(ValueError, match=r"IngressSpec\.https_port: invalid value 0; must be between 1 and 65535"):
         make_spec(tmp_path, tls, https_port=0)
     with pytest.raises(ValueError, match=r"metrics_allow_cidrs: invalid value '192\.168\.10\.5/24'.*192\.168\.10\.0/24"):
         make_spec(tmp_path, tls, metrics_allow_cidrs=("192.168.10.5/24",))
@@ -475,7 +475,7 @@ def test_config_checks_are_the_renderer_rules():
     assert "192.168.10.0/24" in setting_problem("metrics_allow_cidr", "192.168.10.5/24")
     for everyone in ("0.0.0.0/0", "::/0"):
         assert "whole internet" in setting_problem("metrics_allow_cidr", everyone)
-    assert rule("max_conns_per_address")(0) == "use an integer from 1 to 65535"
+    assert rule("max_conns_per_address")(0) == "must be between 1 and 65535"
     assert rule("max_conns_per_address")(32) is None and rule("send_timeout_s")(30) is None
     assert rule("client_max_body_size", allow_empty=True)("") is None
     assert rule("client_max_body_size")("") and rule("client_max_body_size")("1 m")

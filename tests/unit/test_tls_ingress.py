@@ -140,7 +140,9 @@ def test_connection_limit_setting_reaches_nginx():
 
 
 @pytest.mark.parametrize("key, value, fix", [
-    ("maxConnsPerAddress", 0, "use an integer from 1 to 65535"),
+    ("maxConnsPerAddress", 0, "must be between 1 and 65535"),
+    ("ratePerSecond", 10001, "must be between 1 and 10000"),
+    ("readTimeoutS", 5, "must be between 10 and 86400"),
     ("clientMaxBodySize", "1 MB", "nginx size"),
     ("certValidityDays", tls.MAX_VALIDITY_DAYS + 1, "between 1 and 365"),
     ("certValidityDays", 0, "between 1 and 365"),
