@@ -12,6 +12,7 @@ node_exporter's textfile collector. Alertmanager (a webhook) is optional and off
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import re
@@ -23,7 +24,7 @@ from urllib.parse import urlsplit
 import pulumi
 
 from components import templates
-from components.config import ConfigError, Problem
+from components.config import ConfigError, Problem, _camel
 from components.remote import RemoteStep
 
 CONFIG_DIR = "/etc/prometheus/fimfleet"
@@ -69,14 +70,11 @@ class ScrapeNode:
 
 @dataclass(frozen=True)
 class ExporterTarget:
-    """A node_exporter that Prometheus scrapes."""
+    """A node_exporter Prometheus scrapes: `host` label, host:port, and role (node or gateway: which down-alert)."""
 
     host: str
-    """The `host` label on its series."""
     address: str = "127.0.0.1:9100"
-    """host:port it listens on, as Prometheus reaches it."""
     role: str = "node"
-    """node or gateway: which down-alert it raises."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +138,7 @@ class MonitoringArgs:
     repeat_interval: str = "4h"
     config_dir: str = CONFIG_DIR
     textfile_dir: str = TEXTFILE_DIR
-    stack: str = "fimfleet"
-    """Dashboard title."""
+    stack: str = "fimfleet"  # the dashboard's title
 
 
 HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+)(?::([0-9]{1,5}))?$")
@@ -236,16 +233,12 @@ def _fields(obj, prefix: str, rules) -> list[Problem]:
 
 
 def check(args: MonitoringArgs, exporter: ExporterArgs | None = None, sla_nodes=()) -> None:
-    """Raise one ConfigError listing every problem (SLA reports must belong to scraped nodes)."""
+    """Raise one ConfigError listing every problem (SLA reports and CAs must belong to scraped nodes)."""
     found = problems(args) + (exporter_problems(exporter) if exporter else [])
     names = {n.name for n in args.nodes}
-    found += [Problem("monitoring.slaReports", n, f"is not a scraped node ({sorted(names)})") for n in sla_nodes if n not in names]
+    found += [Problem("monitoring.nodes", n, f"is not a scraped node ({sorted(names)})") for n in sla_nodes if n not in names]
     if found:
         raise ConfigError(found)
-
-
-def _camel(name: str) -> str:
-    return re.sub(r"_([a-z0-9])", lambda mt: mt.group(1).upper(), name)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -466,18 +459,26 @@ class NodeExporter(pulumi.ComponentResource):
 class Monitoring(pulumi.ComponentResource):
     """Prometheus (and this host's node_exporter) with the stack's rules; see the module docstring.
 
-    `sla_reports` maps a node name to its FimSlaCheck `report` output: each is written as a
-    textfile on this host. Outputs: tunnel_command, url (through the tunnel), dashboard_json.
+    `ca_pems` maps a node name to its ingress CA as an Output (e.g. NginxIngress.ca_pem);
+    `sla_reports` maps a node name to its FimSlaCheck `report` output, written as a textfile
+    on this host. Outputs: tunnel_command, url (through the tunnel), dashboard_json.
     """
 
     def __init__(self, name: str, args: MonitoringArgs, connection: pulumi.Input[dict],
                  exporter: ExporterArgs | None = None, sla_reports: Mapping[str, pulumi.Input[dict]] | None = None,
-                 opts: pulumi.ResourceOptions | None = None):
-        check(args, exporter, sla_nodes=list(sla_reports or ()))
+                 ca_pems: Mapping[str, pulumi.Input[str]] | None = None, opts: pulumi.ResourceOptions | None = None):
+        check(args, exporter, sla_nodes=list(sla_reports or ()) + list(ca_pems or ()))
         super().__init__("fimfleet:monitoring:Monitoring", name, None, opts)
         conn = pulumi.Output.from_input(connection)
         exporters = _remote_steps(self, name, exporter_steps(exporter), conn, []) if exporter else []
-        self.steps = exporters + _remote_steps(self, name, steps(args), conn, exporters)
+        specs = steps(dataclasses.replace(args, nodes=tuple(
+            dataclasses.replace(n, ca_pem=n.ca_pem or "<ca_pems>") if n.name in (ca_pems or {}) else n for n in args.nodes)))
+        if ca_pems:  # the CA files' content arrives later; paths, config and digest do not depend on it
+            paths = [f"{args.config_dir}/ca/{n}.pem" for n in ca_pems]
+            files = specs[0]["files"]
+            specs[0]["files"] = pulumi.Output.all(*ca_pems.values()).apply(
+                lambda pems: [{**f, "content": dict(zip(paths, pems)).get(f["path"], f["content"])} for f in files])
+        self.steps = exporters + _remote_steps(self, name, specs, conn, exporters)
         textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
         for node, report in (sla_reports or {}).items():
             path = f"{textfile_dir}/fimfleet_sla_{node}.prom"

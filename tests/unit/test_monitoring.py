@@ -86,7 +86,7 @@ def test_every_problem_is_reported_at_once_without_a_traceback():
 
 
 def test_sla_reports_must_belong_to_scraped_nodes():
-    with pytest.raises(ConfigError, match="monitoring.slaReports"):
+    with pytest.raises(ConfigError, match="zz.*is not a scraped node"):
         m.check(make_args(), sla_nodes=["a", "zz"])
 
 
@@ -348,3 +348,24 @@ def test_node_exporter_on_another_host(recorder):
         assert "--web.listen-address=10.0.0.7:9100" in default and "vllm-b[.]service" in default
 
     return pulumi.Output.all(*[s.id for s in ne.steps]).apply(check)
+
+
+@pulumi.runtime.test
+def test_ingress_ca_arrives_as_an_output(recorder):
+    conn = pulumi.Output.secret({"host": "203.0.113.10", "port": 22, "user": "root", "privateKey": "KEY"})
+    args = make_args(nodes=(m.ScrapeNode("a", "https://127.0.0.1:8443/metrics"),))
+    mon = m.Monitoring("cam", args, conn, ca_pems={"a": pulumi.Output.secret("-----BEGIN CERTIFICATE-----\nX\n")})
+
+    def check(_):
+        step = {r["name"]: r for r in recorder.registrations}["cam-prometheus"]
+        files = step["inputs"]["files"]
+        files = {f["path"]: f["content"] for f in (files["value"] if isinstance(files, dict) else files)}
+        assert files[f"{m.CONFIG_DIR}/ca/a.pem"] == "-----BEGIN CERTIFICATE-----\nX\n"
+        assert f"ca_file: \"{m.CONFIG_DIR}/ca/a.pem\"" in files[f"{m.CONFIG_DIR}/prometheus.yml"]
+
+    return pulumi.Output.all(*[s.id for s in mon.steps]).apply(check)
+
+
+def test_a_ca_for_an_unknown_node_is_refused(recorder):
+    with pytest.raises(ConfigError, match="zz.*is not a scraped node"):
+        m.Monitoring("cab", make_args(), {"host": "h"}, ca_pems={"zz": "PEM"})
