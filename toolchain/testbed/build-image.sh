@@ -155,8 +155,10 @@ if [ "${#need_install[@]}" -gt 0 ]; then
   fi
 fi
 export PATH="$PATH:/usr/sbin:/sbin"
-# mkfs.ext4 -d needs e2fsprogs >= 1.43
-mkfs.ext4 -V 2>&1 | grep -qE 'mke2fs 1\.(4[3-9]|[5-9][0-9])' \
+# mkfs.ext4 -d needs e2fsprogs >= 1.43. Capture first: `mkfs.ext4 -V | grep -q` under pipefail fails
+# at random when grep exits at its first match and mkfs.ext4's second line gets SIGPIPE.
+mkfs_version=$(mkfs.ext4 -V 2>&1 || true)
+grep -qE 'mke2fs 1\.(4[3-9]|[5-9][0-9])' <<<"$mkfs_version" \
   || die "mkfs.ext4 from e2fsprogs >= 1.43 is needed for -d: apt-get install -y e2fsprogs"
 
 mkdir -p "$TB_CACHE" "$TB_CACHE/debs/partial"
