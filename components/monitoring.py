@@ -358,18 +358,11 @@ def _defaults(service: str, args: list[str]) -> dict:
             "backup": f"{STAGED_DIR}/before-fimfleet-{service}", "args": args}
 
 
-def _packages(role: str, packages: list[str], defaults: list[dict]) -> tuple[list[dict], str, str]:
-    """Staged /etc/default files, the install fragment and its destroy fragment."""
-    record = PACKAGE_RECORD.format(role=role)
+def _packages(role: str, packages: list[str], defaults: list[dict]) -> tuple[list[dict], dict]:
+    """Staged /etc/default files, and what packages.sh.j2 / packages-destroy.sh.j2 need."""
     files = [{"path": d["staged"], "mode": "0644", "content": templates.render("prometheus/default-args.j2", args=d["args"])}
              for d in defaults]
-    return (files, templates.render("prometheus/packages.sh.j2", record=record, packages=packages, defaults=defaults),
-            templates.render("prometheus/packages-destroy.sh.j2", record=record, defaults=defaults))
-
-
-def _listening(what: str, listen: str) -> str:
-    host, port = _split_hostport(listen)
-    return templates.render("prometheus/listening.sh.j2", what=what, listen=f"{host}:{port}", port=port)
+    return files, {"record": PACKAGE_RECORD.format(role=role), "packages": packages, "defaults": defaults}
 
 
 def steps(args: MonitoringArgs) -> list[dict]:
@@ -378,30 +371,27 @@ def steps(args: MonitoringArgs) -> list[dict]:
     defaults = [_defaults("prometheus", prometheus_args(args))]
     if alertmanager:
         defaults.append(_defaults("prometheus-alertmanager", alertmanager_args(args)))
-    staged, install, uninstall = _packages("server", ["prometheus"] + (["prometheus-alertmanager"] if alertmanager else []),
-                                           defaults)
+    staged, pkg = _packages("server", ["prometheus"] + (["prometheus-alertmanager"] if alertmanager else []), defaults)
     files = staged + [{"path": f"{args.config_dir}/{rel}", "mode": "0644", "content": content}
                       for rel, content in prometheus_files(args).items()]
     kw = dict(config=f"{args.config_dir}/prometheus.yml", alertmanager=alertmanager, listen=args.listen,
               alertmanager_config=f"{args.config_dir}/alertmanager.yml", alertmanager_listen=args.alertmanager_listen,
               default_staged=defaults[0]["staged"], config_dir=args.config_dir, rule_groups=len(RULE_GROUPS),
-              listening=_listening("prometheus", args.listen),
-              alertmanager_listening=_listening("prometheus-alertmanager", args.alertmanager_listen))
+              port=_split_hostport(args.listen)[1], alertmanager_port=_split_hostport(args.alertmanager_listen)[1], **pkg)
     check_script = templates.render("prometheus/server-check.sh.j2", **kw)
     return [{"name": "prometheus", "label": "prometheus", "files": files,
-             "apply": templates.render("prometheus/server-apply.sh.j2", packages=install, check=check_script, **kw),
-             "check": check_script,
-             "destroy": templates.render("prometheus/server-destroy.sh.j2", packages_destroy=uninstall, **kw)}]
+             "apply": templates.render("prometheus/server-apply.sh.j2", check=check_script, **kw),
+             "check": check_script, "destroy": templates.render("prometheus/server-destroy.sh.j2", **kw)}]
 
 
 def exporter_steps(e: ExporterArgs) -> list[dict]:
     """One host's node_exporter and its deep-probe textfile export."""
     d = _defaults("prometheus-node-exporter", node_exporter_args(e))
-    staged, install, uninstall = _packages("exporter", ["prometheus-node-exporter", "dbus"], [d])
+    staged, pkg = _packages("exporter", ["prometheus-node-exporter", "dbus"], [d])
     kw = dict(textfile_dir=e.textfile_dir, script=HELPER, env_file=HELPER_ENV, state_dir=e.state_dir,
               timer=f"{HELPER_UNIT}.timer", service=f"{HELPER_UNIT}.service", listen=e.listen,
               monitors=[f"{node}={unit}" for node, unit in e.monitors], default_staged=d["staged"],
-              listening=_listening("prometheus-node-exporter", e.listen))
+              port=_split_hostport(e.listen)[1], **pkg)
     files = staged + [
         {"path": HELPER, "mode": "0755", "content": (templates.FILES / "prometheus/monitor-textfile.sh").read_text()},
         {"path": HELPER_ENV, "mode": "0644", "content": templates.render("prometheus/monitor-textfile.env.j2",
@@ -413,9 +403,8 @@ def exporter_steps(e: ExporterArgs) -> list[dict]:
     ]
     check_script = templates.render("prometheus/exporter-check.sh.j2", **kw)
     return [{"name": "exporter", "label": "node_exporter", "files": files,
-             "apply": templates.render("prometheus/exporter-apply.sh.j2", packages=install, check=check_script, **kw),
-             "check": check_script,
-             "destroy": templates.render("prometheus/exporter-destroy.sh.j2", packages_destroy=uninstall, **kw)}]
+             "apply": templates.render("prometheus/exporter-apply.sh.j2", check=check_script, **kw),
+             "check": check_script, "destroy": templates.render("prometheus/exporter-destroy.sh.j2", **kw)}]
 
 
 def tunnel_command(connection: Mapping, listen: str) -> str:
