@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compare the SLA probe's TTFT with vLLM's own TTFT histogram on the same requests.
 
-Shows that the probe (components/sla.py) does not distort what it measures: the
+Shows that the probe (components/sla/probe.py) does not distort what it measures: the
 probe's TTFT includes the network, TLS, nginx and SSE framing, the server's
 ``vllm:time_to_first_token_seconds`` starts when the engine receives the request.
 The gap between the two means is the cost of the path in front of the engine.
@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 
-from components.sla import ProbeConfig, _tls_settings, run_probe  # noqa: E402
+from components.sla.probe import ProbeConfig, run_probe, tls_settings  # noqa: E402
 
 METRIC = "vllm:time_to_first_token_seconds"
 _SAMPLE_RE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
@@ -122,7 +122,7 @@ def compare(config: ProbeConfig, metrics_url: Optional[str] = None,
             metrics_verify: Any = None, metrics_model: Optional[str] = None) -> dict[str, Any]:
     """Warm up, scrape, probe, scrape; return the comparison as a dict."""
     metrics_url = metrics_url or config.endpoint.rstrip("/") + "/metrics"
-    verify = metrics_verify if metrics_verify is not None else _tls_settings(config)[0]
+    verify = metrics_verify if metrics_verify is not None else tls_settings(config)[0]
     if config.warmup:
         run_probe(dataclasses.replace(config, samples=0))
     before = scrape(metrics_url, verify, config.api_key, model=metrics_model)
@@ -200,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     metrics_verify = None
     if a.metrics_ca:
-        metrics_verify = _tls_settings(dataclasses.replace(cfg, ca_pem=a.metrics_ca, insecure_skip_verify=False))[0]
+        metrics_verify = tls_settings(dataclasses.replace(cfg, ca_pem=a.metrics_ca, insecure_skip_verify=False))[0]
     try:
         result = compare(cfg, a.metrics_url, metrics_verify, metrics_model=a.model)
     except httpx.HTTPError as exc:

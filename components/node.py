@@ -17,13 +17,14 @@ from components.ingress import NginxIngress
 from components.kernel import KernelTuning
 from components.monitor import Monitor
 from components.runtime import VllmRuntime
-from components.sla import FimSlaCheck
+from components.sla.provider import FimSlaCheck
+from components.sla.thresholds import SlaThresholds
 
 
-def sla_thresholds(cfg: StackConfig) -> dict:
+def sla_thresholds(cfg: StackConfig) -> SlaThresholds:
     s = cfg.sla
-    return {"ttft_p50_ms": s.ttft_p50_ms, "ttft_p95_ms": s.ttft_p95_ms, "ttft_p99_ms": s.ttft_p99_ms,
-            "min_decode_tokens_per_s": s.min_decode_tokens_per_s, "max_errors": s.max_errors}
+    return SlaThresholds(ttft_p50_ms=s.ttft_p50_ms, ttft_p95_ms=s.ttft_p95_ms, ttft_p99_ms=s.ttft_p99_ms,
+                         min_decode_tokens_per_s=s.min_decode_tokens_per_s, max_errors=s.max_errors)
 
 
 class InferenceNode(pulumi.ComponentResource):

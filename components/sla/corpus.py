@@ -10,18 +10,21 @@ Prompts are kept short on purpose (see ``max_chars``): on the emulated test VM T
 grows with prompt length, and an SLA probe should measure the serving path, not
 how long a 4k-token prompt takes to prefill on a slow CPU.
 
-Pure data and pure functions: no Pulumi, no network.
+Pure data and pure functions: no Pulumi, no network. The FIM prompt format is applied
+in one place, ``fim_prompt``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-FIM_PREFIX = "<|fim_prefix|>"
-FIM_SUFFIX = "<|fim_suffix|>"
-FIM_MIDDLE = "<|fim_middle|>"
-QWEN_FIM_TEMPLATE = FIM_PREFIX + "{prefix}" + FIM_SUFFIX + "{suffix}" + FIM_MIDDLE
+QWEN_FIM_TEMPLATE = "<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
 """Qwen2.5-Coder FIM prompt (base model, sent to /v1/completions as ``prompt``)."""
+
+
+def fim_prompt(prefix: str, suffix: str) -> str:
+    """The one place the corpus applies the model's FIM prompt format."""
+    return QWEN_FIM_TEMPLATE.format(prefix=prefix, suffix=suffix)
 
 
 @dataclass(frozen=True)
@@ -216,12 +219,7 @@ def unique_line(case: FimCase, tag: str) -> str:
     return f"{case.comment} {tag}\n"
 
 
-def build_prompt(
-    case: FimCase,
-    tag: str,
-    max_chars: int | None = None,
-    template: str = QWEN_FIM_TEMPLATE,
-) -> str:
+def build_prompt(case: FimCase, tag: str, max_chars: int | None = None) -> str:
     """Return the FIM prompt for ``case`` with ``tag`` making its prefix unique.
 
     The unique comment line always comes first. If ``max_chars`` is set, prefix and
@@ -247,4 +245,4 @@ def build_prompt(
             s_share = min(s_share, want_s)
             prefix = prefix[len(prefix) - p_share:] if p_share else ""
             suffix = suffix[:s_share]
-    return template.format(prefix=head + prefix, suffix=suffix)
+    return fim_prompt(head + prefix, suffix)

@@ -13,7 +13,10 @@ import time
 
 import pytest
 
-from components import sla
+from components.sla.probe import ProbeConfig, check_sla
+from components.sla.provider import FimSlaCheckProvider
+from components.sla.report import SlaViolationError
+from components.sla.thresholds import SlaThresholds
 from tests.integration.conftest import API_KEY, SERVED
 from tests.integration.test_nginx_ingress import Nginx, make_tls
 
@@ -41,7 +44,7 @@ def props(ingress, **thresholds):
 
 
 def test_generous_sla_passes_through_nginx(ingress):
-    out = sla.FimSlaCheckProvider().create(props(ingress, ttft_p99_ms=5000, min_decode_tokens_per_s=1)).outs
+    out = FimSlaCheckProvider().create(props(ingress, ttft_p99_ms=5000, min_decode_tokens_per_s=1)).outs
     report = out["report"]
     assert out["passed"] is True
     assert report["ttft_ms"]["p50"] > 0 and report["error_rate"] == 0
@@ -51,23 +54,23 @@ def test_generous_sla_passes_through_nginx(ingress):
 
 
 def test_impossible_sla_fails_with_the_report(ingress):
-    with pytest.raises(sla.SlaViolationError) as err:
-        sla.FimSlaCheckProvider().create(props(ingress, ttft_p50_ms=0.001, ttft_p95_ms=0.001, ttft_p99_ms=0.001))
+    with pytest.raises(SlaViolationError) as err:
+        FimSlaCheckProvider().create(props(ingress, ttft_p50_ms=0.001, ttft_p95_ms=0.001, ttft_p99_ms=0.001))
     text = str(err.value)
     assert "ttft_p99_ms" in text and "0.001" in text and "FAIL" in text
     assert KEY not in text
 
 
 def test_stalled_engine_fails_within_bounds(ingress):
-    p = props(ingress, ttft_p99_ms=5000)
-    p.update(samples=3, warmup=0, probe_options={"request_timeout_s": 4, "read_timeout_s": 3, "max_consecutive_errors": 2})
+    cfg = ProbeConfig(endpoint=ingress["endpoint"], model=SERVED, api_key=KEY, ca_pem=ingress["ca"], samples=3,
+                      warmup=0, max_tokens=8, request_timeout_s=4, read_timeout_s=3, max_consecutive_errors=2)
     os.killpg(ingress["pid"], signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        with pytest.raises(sla.SlaViolationError) as err:
-            sla.FimSlaCheckProvider().create(p)
+        result = check_sla(cfg, SlaThresholds(ttft_p99_ms=5000))
     finally:
         os.killpg(ingress["pid"], signal.SIGCONT)
     elapsed = time.monotonic() - t0
     assert elapsed < 30, f"a stalled engine held the probe for {elapsed:.0f}s"
-    assert "error" in str(err.value).lower()
+    assert not result.passed and result.report.to_dict()["ok"] == 0
+    assert "aborted after 2 consecutive errors" in result.summary

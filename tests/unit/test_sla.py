@@ -10,21 +10,11 @@ import ssl
 import pytest
 
 
-from components import fim_corpus
-from components.sla import (
-    ProbeConfig,
-    ProbeReport,
-    RequestResult,
-    SlaThresholds,
-    Violation,
-    _tls_settings,
-    evaluate,
-    histogram_bins,
-    percentile,
-    render_text,
-    summarize,
-    text_histogram,
-)
+from components.sla import corpus as fim_corpus
+from components.sla.probe import ProbeConfig, tls_settings
+from components.sla.report import ProbeReport, RequestResult, decode_ceiling, decode_efficiency, render_text
+from components.sla.stats import histogram_bins, percentile, summarize, text_histogram
+from components.sla.thresholds import SlaThresholds, Violation, evaluate
 
 
 # ---------------------------------------------------------------- percentiles
@@ -177,29 +167,35 @@ def test_report_to_dict_stats_errors_and_worst():
 
 
 def test_thresholds_from_dict_coerces_and_rejects():
-    th = SlaThresholds.from_dict({"ttft_p99_ms": 500, "samples": 20.0, "max_errors": 1.0})
-    assert th.ttft_p99_ms == 500.0 and th.samples == 20 and isinstance(th.samples, int)
-    assert th.to_dict() == {"ttft_p99_ms": 500.0, "samples": 20, "max_errors": 1}
-    assert th.limits() == {"ttft_p99_ms": 500.0, "max_errors": 1}
+    th = SlaThresholds.from_dict({"ttft_p99_ms": 500, "max_errors": 1.0, "ttft_p50_ms": None})
+    assert th.ttft_p99_ms == 500.0 and th.max_errors == 1 and isinstance(th.max_errors, int)
+    assert th.to_dict() == {"ttft_p99_ms": 500.0, "max_errors": 1}
     with pytest.raises(ValueError, match="unknown SLA threshold key.*ttft_p999_ms"):
         SlaThresholds.from_dict({"ttft_p999_ms": 1})
+    with pytest.raises(ValueError, match="unknown SLA threshold key.*samples"):
+        SlaThresholds.from_dict({"samples": 20})          # sample settings are not limits
     with pytest.raises(ValueError, match="max_error_rate"):
         SlaThresholds.from_dict({"max_error_rate": 2})
-    with pytest.raises(ValueError, match="samples"):
-        SlaThresholds.from_dict({"samples": 0})
-    with pytest.raises(ValueError, match="integer"):
-        SlaThresholds.from_dict({"samples": 2.5})
+    with pytest.raises(ValueError, match="max_errors must be an integer"):
+        SlaThresholds.from_dict({"max_errors": 2.5})
+    with pytest.raises(ValueError, match="ttft_p50_ms must be a number"):
+        SlaThresholds.from_dict({"ttft_p50_ms": "fast"})
     with pytest.raises(ValueError, match="ttft_p50_ms must be a positive"):
         SlaThresholds.from_dict({"ttft_p50_ms": 0})
     assert SlaThresholds.from_dict({"min_decode_tokens_per_s": 0}).min_decode_tokens_per_s == 0.0
-    with pytest.raises(ValueError, match="max_tokens >= 2"):
-        SlaThresholds.from_dict({"min_decode_tokens_per_s": 5, "max_tokens": 1})
 
 
-def test_thresholds_apply_to_config():
-    cfg = ProbeConfig(endpoint="https://n", model="m", samples=5, warmup=1)
-    out = SlaThresholds(samples=30, max_tokens=8).apply_to(cfg)
-    assert (out.samples, out.warmup, out.max_tokens, out.concurrency) == (30, 1, 8, 1)
+def test_typed_thresholds_are_always_valid():
+    # the typed object checks itself, so node.py, the provider and the CLI share one set of rules
+    for bad, word in (({"ttft_p99_ms": -1}, "ttft_p99_ms"), ({"ttft_p95_ms": float("nan")}, "ttft_p95_ms"),
+                      ({"min_decode_tokens_per_s": -0.5}, "min_decode"), ({"max_errors": -1}, "max_errors"),
+                      ({"max_errors": True}, "max_errors"), ({"max_error_rate": 1.5}, "max_error_rate"),
+                      ({"ttft_p50_ms": 500, "ttft_p99_ms": 400}, "must not decrease")):
+        with pytest.raises(ValueError, match=word):
+            SlaThresholds(**bad)
+    assert SlaThresholds(ttft_p50_ms=100, ttft_p99_ms=100).problems() == []
+    with pytest.raises(Exception):
+        SlaThresholds(ttft_p99_ms=1).ttft_p99_ms = 2        # frozen
 
 
 def test_evaluate_pass_and_each_violation():
@@ -208,7 +204,7 @@ def test_evaluate_pass_and_each_violation():
     # ttft: p50 = 50, p95 = p99 = 100; decode tps = 10 tokens / 0.2 s = 50 for each
     ok = SlaThresholds(ttft_p50_ms=50, ttft_p95_ms=100, ttft_p99_ms=100, min_decode_tokens_per_s=50)
     assert evaluate(rep, ok) == []
-    bad = SlaThresholds(ttft_p50_ms=49, ttft_p95_ms=99, ttft_p99_ms=1, min_decode_tokens_per_s=60)
+    bad = SlaThresholds(ttft_p50_ms=1, ttft_p95_ms=1, ttft_p99_ms=1, min_decode_tokens_per_s=60)
     v = {x.metric: x for x in evaluate(rep, bad)}
     assert set(v) == {"ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "min_decode_tokens_per_s"}
     assert v["ttft_p99_ms"].measured == 100.0 and v["ttft_p99_ms"].limit == 1
@@ -265,6 +261,46 @@ def test_render_text_sections():
     assert "SLA" not in render_text(rep).replace("SLA probe", "")
 
 
+# ---------------------------------------------------------------- decode ceiling
+
+
+def test_decode_ceiling_is_bandwidth_over_bytes_per_token():
+    # 4.28 TB/s HBM (measured on an H200) over 15.2 GB of bf16 weights read per token
+    assert decode_ceiling(4.28e12, 15.2e9) == pytest.approx(281.58, abs=0.01)
+    assert decode_ceiling(100e9, 4e9) == 25.0
+    assert decode_ceiling(None, 4e9) is None and decode_ceiling(100e9, None) is None
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "100"):
+        with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
+            decode_ceiling(bad, 4e9)
+    with pytest.raises(ValueError, match="active_weight_bytes_per_token"):
+        decode_ceiling(100e9, 0)
+
+
+def test_decode_efficiency_fields():
+    assert decode_efficiency(20.0, 100e9, 4e9) == {
+        "measured_tokens_per_s": 20.0, "ceiling_tokens_per_s": 25.0, "efficiency_pct": 80.0,
+        "bandwidth_bytes_per_s": 100e9, "active_weight_bytes_per_token": 4e9}
+    unknown = decode_efficiency(20.0, None, 4e9)          # bandwidth not measured
+    assert unknown["ceiling_tokens_per_s"] is None and unknown["efficiency_pct"] is None
+    assert decode_efficiency(None, 100e9, 4e9)["efficiency_pct"] is None
+
+
+def test_report_shows_decode_ceiling_only_when_known():
+    # 10 requests, 11 tokens each, 200 ms of decode: 50 tok/s per request
+    results = [_ok(i, ttft=10.0, total=210.0, tokens=11) for i in range(10)]
+    plain = _report(results)
+    assert plain.to_dict()["decode_ceiling"]["ceiling_tokens_per_s"] is None
+    assert "decode ceiling" not in render_text(plain, SlaThresholds(ttft_p99_ms=100))
+    rep = _report(results, bandwidth_bytes_per_s=100e9, active_weight_bytes_per_token=1e9)
+    d = rep.to_dict()
+    assert d["decode_ceiling"] == {"measured_tokens_per_s": 50.0, "ceiling_tokens_per_s": 100.0,
+                                   "efficiency_pct": 50.0, "bandwidth_bytes_per_s": 100e9,
+                                   "active_weight_bytes_per_token": 1e9}
+    line = "  decode ceiling measured 50.0 tok/s, ceiling 100.0 tok/s (50.0% of the ceiling) = 100 GB/s / 1 GB per token"
+    assert line in render_text(rep).splitlines()
+    assert line in render_text(d, SlaThresholds(ttft_p99_ms=100)).splitlines()   # the stored dict form too
+
+
 # ---------------------------------------------------------------- config, TLS
 
 
@@ -286,13 +322,13 @@ def test_probe_config_url_and_validate():
     assert "sekrit" not in repr(ProbeConfig(endpoint="https://h", model="m", api_key="sekrit-123"))
 
 
-def test_tls_settings():
-    verify, desc = _tls_settings(ProbeConfig(endpoint="https://h", model="m", insecure_skip_verify=True))
+def testtls_settings():
+    verify, desc = tls_settings(ProbeConfig(endpoint="https://h", model="m", insecure_skip_verify=True))
     assert verify is False and "DISABLED" in desc
-    verify, desc = _tls_settings(ProbeConfig(endpoint="https://h", model="m"))
+    verify, desc = tls_settings(ProbeConfig(endpoint="https://h", model="m"))
     assert isinstance(verify, ssl.SSLContext) and verify.verify_mode == ssl.CERT_REQUIRED
     assert verify.check_hostname and "default trust store" in desc
-    verify, desc = _tls_settings(ProbeConfig(endpoint="http://h", model="m"))
+    verify, desc = tls_settings(ProbeConfig(endpoint="http://h", model="m"))
     assert "plain http" in desc
 
 

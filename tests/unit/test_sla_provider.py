@@ -28,8 +28,8 @@ from pulumi.dynamic import CheckResult, CreateResult, DiffResult, ReadResult, Up
 from pulumi.dynamic.dynamic import serialize_provider  # noqa: E402
 from pulumi.runtime import rpc  # noqa: E402
 
-from components import sla  # noqa: E402
-from components.sla import FimSlaCheckProvider, SlaViolationError, changed_inputs  # noqa: E402
+from components.sla.provider import FimSlaCheckProvider, _key_hash, changed_inputs  # noqa: E402
+from components.sla.report import SlaViolationError  # noqa: E402
 
 
 def _load_fake_vllm():
@@ -70,7 +70,6 @@ def _props(fake, **over):
         "thresholds": {"ttft_p99_ms": 5000.0, "max_errors": 0.0},
         "samples": 4.0,          # Pulumi sends every number as a float
         "warmup": 1.0,
-        "probe_options": {"request_timeout_s": 10.0, "max_prompt_chars": 200.0},
     }
     props.update(over)
     return props
@@ -80,30 +79,34 @@ def _props(fake, **over):
 
 
 def test_check_normalizes_numbers_and_defaults(fake):
-    res = FimSlaCheckProvider().check({}, _props(fake, thresholds={"ttft_p99_ms": 500, "max_tokens": 8.0}))
+    res = FimSlaCheckProvider().check({}, _props(fake, thresholds={"ttft_p99_ms": 500, "max_errors": 0.0},
+                                                 max_tokens=8.0))
     assert isinstance(res, CheckResult) and res.failures == []
     ins = res.inputs
     assert ins["samples"] == 4 and isinstance(ins["samples"], int)
-    assert ins["warmup"] == 1 and ins["concurrency"] == 1
-    assert ins["max_tokens"] == 8                       # moved out of thresholds
-    assert ins["thresholds"] == {"ttft_p99_ms": 500.0}  # limits only
-    assert ins["probe_options"] == {"request_timeout_s": 10.0, "max_prompt_chars": 200}
-    assert ins["insecure_skip_verify"] is False
+    assert ins["warmup"] == 1 and ins["concurrency"] == 1   # default filled in
+    assert ins["max_tokens"] == 8 and isinstance(ins["max_tokens"], int)
+    assert ins["thresholds"] == {"ttft_p99_ms": 500.0, "max_errors": 0}
+    assert isinstance(ins["thresholds"]["max_errors"], int)
     assert ins["api_key"] == KEY                        # the engine keeps it secret (secret input)
 
 
 def test_check_reports_readable_failures(fake):
     res = FimSlaCheckProvider().check({}, {
         "endpoint": "ftp://x", "model": "", "thresholds": {"ttft_p99": 1}, "samples": 2,
-        "warmup": -1, "probe_options": {"bogus": 1}, "colour": "red",
-        "ca_pem": "-----BEGIN CERTIFICATE-----", "insecure_skip_verify": True,
+        "warmup": -1, "concurrency": "two", "colour": "red", "ca_pem": "-----BEGIN CERTIFICATE-----",
     })
     by_prop = {f.property: f.reason for f in res.failures}
-    assert set(by_prop) >= {"endpoint", "model", "trigger", "api_key", "thresholds", "warmup",
-                            "probe_options.bogus", "colour", "insecure_skip_verify"}
+    assert set(by_prop) == {"endpoint", "model", "trigger", "api_key", "thresholds", "warmup",
+                            "concurrency", "colour"}
     assert "unknown SLA threshold key" in by_prop["thresholds"]
-    res = FimSlaCheckProvider().check({}, _props(fake, samples=5, thresholds={"samples": 6}))
-    assert [f.property for f in res.failures] == ["samples"]
+    assert by_prop["colour"].startswith("unknown input")
+    assert by_prop["warmup"] == "warmup must be >= 0, got -1"
+    res = FimSlaCheckProvider().check({}, _props(fake, thresholds={"min_decode_tokens_per_s": 5}, max_tokens=1))
+    assert [f.property for f in res.failures] == ["max_tokens"]
+    res = FimSlaCheckProvider().check({}, _props(fake, thresholds={"ttft_p50_ms": 900, "ttft_p99_ms": 100}))
+    assert [f.property for f in res.failures] == ["thresholds"]
+    assert "must not decrease" in res.failures[0].reason
 
 
 def test_check_accepts_unknown_preview_values(fake):
@@ -119,7 +122,7 @@ def _outs_like_create(fake, **over):
     """What create() stores as outputs, without running the probe."""
     norm = FimSlaCheckProvider().check({}, _props(fake, **over)).inputs
     outs = {k: v for k, v in norm.items() if k != "api_key"}
-    outs.update(api_key_sha256=sla._key_hash(norm["api_key"]), report={"ok": 4}, summary="...",
+    outs.update(api_key_sha256=_key_hash(norm["api_key"]), report={"ok": 4}, summary="...",
                 passed=True, __provider="serialized")
     return outs
 
@@ -145,7 +148,6 @@ def test_diff_unchanged_stack_does_not_rerun(fake):
     ("concurrency", 2),
     ("max_tokens", 32),
     ("ca_pem", "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"),
-    ("probe_options", {"request_timeout_s": 99.0}),
     ("api_key", "sk-rotated-key-9876543210"),
 ])
 def test_diff_reruns_on_each_probe_input(fake, key, value):
@@ -180,7 +182,7 @@ def test_create_runs_probe_and_outputs_report_without_key(fake):
     # the key is not an output; only a hash is (marked secret by FimSlaCheck)
     assert "api_key" not in outs
     assert KEY not in json.dumps(outs)
-    assert outs["api_key_sha256"] == sla._key_hash(KEY) and len(outs["api_key_sha256"]) == 64
+    assert outs["api_key_sha256"] == _key_hash(KEY) and len(outs["api_key_sha256"]) == 64
     # outputs serialize exactly as the dynamic provider server does it
     loop = asyncio.new_event_loop()
     try:
@@ -208,7 +210,7 @@ def test_create_fails_with_readable_report_on_missed_sla(fake):
 def test_create_fails_on_erroring_engine(fake):
     fake.config.mode = "error"
     with pytest.raises(SlaViolationError, match=r"(?s)Errors \(4\).*HTTP 500"):
-        FimSlaCheckProvider().create(_props(fake, probe_options={"max_consecutive_errors": 0}))
+        FimSlaCheckProvider().create(_props(fake))
 
 
 def test_create_rejects_invalid_inputs(fake):
@@ -286,12 +288,13 @@ def test_resource_under_pulumi_mocks_registers_secret_key(tmp_path):
                 return {}
 
         pulumi.runtime.set_mocks(M(), preview=False)
-        from components.sla import FimSlaCheck
+        from components.sla.provider import FimSlaCheck
+        from components.sla.thresholds import SlaThresholds
 
         @pulumi.runtime.test
         def run():
             r = FimSlaCheck("sla", endpoint="https://127.0.0.1:8443", api_key="sk-abc-123456",
-                            model="m", trigger="t1", thresholds={"ttft_p99_ms": 100},
+                            model="m", trigger="t1", thresholds=SlaThresholds(ttft_p99_ms=100),
                             ca_pem="-----BEGIN CERTIFICATE-----")
             return r.passed.apply(lambda p: print(json.dumps(dict(seen, passed=p))))
 
@@ -306,3 +309,76 @@ def test_resource_under_pulumi_mocks_registers_secret_key(tmp_path):
     assert seen["api_key_sig"] == rpc._special_secret_sig
     assert {"endpoint", "api_key", "model", "trigger", "thresholds", "ca_pem"} <= set(seen["input_keys"])
     assert seen["passed"] is True
+
+
+# ---------------------------------------------------------------- state written before components/sla/
+
+STATE_V1 = ROOT / "tests" / "data" / "sla_state_v1.json"
+"""`pulumi stack export --show-secrets` of a stack that components/sla.py (commit 74c5056, before
+the package) deployed: one FimSlaCheck built as node.py built it, against the fake vLLM, key KEY_V1.
+tests/integration/test_sla_fake_upstream.py imports it and runs refresh, up and destroy on it."""
+KEY_V1 = "sk-fimfleet-it-abcdef012345"
+
+
+def _unwrap(value):
+    """Plaintext of an exported secret (``{<sig>: <secret sig>, "plaintext": <json>}``)."""
+    if isinstance(value, dict):
+        if value.get(rpc._special_sig_key) == rpc._special_secret_sig:
+            return json.loads(value["plaintext"])
+        return {k: _unwrap(v) for k, v in value.items()}
+    return value
+
+
+def state_v1_check():
+    """The FimSlaCheck of the v1 state: (inputs, outputs), secrets unwrapped."""
+    res = [r for r in json.loads(STATE_V1.read_text())["deployment"]["resources"]
+           if r["type"] == "pulumi-python:dynamic/fimfleet:FimSlaCheck"]
+    assert len(res) == 1
+    return _unwrap(res[0]["inputs"]), _unwrap(res[0]["outputs"])
+
+
+def test_v1_state_provider_loads_and_accepts_its_outputs():
+    """Refresh and destroy load the provider pickled in the old state; diff gets the old outputs."""
+    ins, outs = state_v1_check()
+    blob = outs["__provider"]
+    assert ins["__provider"] == blob and "probe_options" in outs       # really the old shape
+    # What node.py registers now, through check() as the engine does.
+    news = {"endpoint": outs["endpoint"], "api_key": KEY_V1, "model": "fake-qwen", "trigger": "t1",
+            "thresholds": {"ttft_p50_ms": 2000.0, "ttft_p95_ms": 3000.0, "ttft_p99_ms": 5000.0,
+                           "min_decode_tokens_per_s": 1.0, "max_errors": 0.0},
+            "samples": 3.0, "warmup": 1.0, "concurrency": 1.0, "max_tokens": 8.0}
+    code = textwrap.dedent("""
+        import base64, json, sys, dill
+        blob, ins, outs, news = json.load(sys.stdin)
+        p = dill.loads(base64.b64decode(blob))          # what pulumi.dynamic's get_provider does
+        checked = p.check(ins, news)
+        news = checked.inputs
+        print(json.dumps({
+            "type": f"{type(p).__module__}.{type(p).__name__}",
+            "check_failures": [f.reason for f in checked.failures],
+            "diff_same": p.diff("id", outs, news).changes,
+            "diff_trigger": p.diff("id", outs, dict(news, trigger="t2")).changes,
+            "read_same": p.read("fimsla-v1", outs).outs == outs,
+            "delete": p.delete("fimsla-v1", outs),
+        }))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         input=json.dumps([blob, ins, outs, news]))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"type": "components.sla.FimSlaCheckProvider", "check_failures": [],
+                                      "diff_same": False, "diff_trigger": True, "read_same": True,
+                                      "delete": None}
+    # The provider is still pickled by the same name, so states written now equal the old ones.
+    assert serialize_provider(FimSlaCheckProvider()) == blob
+
+
+def test_v1_state_update_probes_and_drops_the_old_inputs(fake):
+    _, outs = state_v1_check()
+    p = FimSlaCheckProvider()
+    news = p.check({}, _props(fake, trigger="t2")).inputs
+    before = len(fake.completion_requests())
+    res = p.update("fimsla-v1", outs, news)
+    assert len(fake.completion_requests()) - before == 5
+    assert res.outs["passed"] is True and res.outs["api_key_sha256"] == _key_hash(KEY)
+    assert "probe_options" not in res.outs and "insecure_skip_verify" not in res.outs
+    assert p.diff("fimsla-v1", res.outs, news).changes is False
