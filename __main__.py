@@ -32,9 +32,8 @@ pulumi.export("model", node.model)
 pulumi.export("tier", cfg.tier.name)
 pulumi.export("caPem", node.ingress.ca_pem)
 pulumi.export("memoryPlan", cfg.memory.explain() if cfg.memory else "")
-pulumi.export("continueConfigYaml", node.continue_yaml)
-pulumi.export("continueConfigJson", node.continue_json)
-pulumi.export("cursorSettings", node.cursor_settings)
+# Per user key: editorConfigs.<name>.continueYaml and .cursorNotes, all secret (components/editors.py).
+pulumi.export("editorConfigs", node.editor_configs)
 pulumi.export("curlSmokeTest", node.curl)
 if node.sla is not None:
     pulumi.export("slaReport", node.sla.summary)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from components import grammar, models, sizing
+from components import grammar, keys, models, sizing
 from components.cloud_types import PROVIDERS
 from components.tiers import TIERS, Tier
 
@@ -168,6 +168,8 @@ class MonitorConfig:
     """Seconds without an engine step (vLLM's own /metrics unchanged) before a failing engine counts
     as hung; must exceed the engine's longest single step (a full maxNumBatchedTokens prefill)."""
     watchdog: bool = key(default=False)
+    probe_key_rotation: str = key(default="")
+    """Change to any new value to rotate the node's own probe key (components/keys.py)."""
 
 
 @dataclass(frozen=True)
@@ -318,7 +320,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
         problems.append(Problem("apiKeys", "<secret>", "set at least one named key: pulumi config set --secret --path 'apiKeys.alice' <key of 32+ chars>"))
         api_keys = {}
     for name, val in api_keys.items():
-        for msg in (grammar.key_name(str(name)), grammar.api_key(val)):
+        for msg in (grammar.key_name(str(name)), grammar.api_key(val), keys.user_key_name(str(name))):
             if msg:
                 problems.append(Problem(f"apiKeys.{name}", "<secret>", msg))
     secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=dict(api_keys),

@@ -36,11 +36,12 @@ def endpoint_url(host: str, port: int) -> str:
     return f"https://{host}" if port == 443 else f"https://{host}:{port}"
 
 
-def spec_for(cfg: StackConfig, server_name: str, cert_path: str, key_path: str) -> IngressSpec:
+def spec_for(cfg: StackConfig, server_name: str, cert_path: str, key_path: str,
+             extra_keys: dict | None = None) -> IngressSpec:
     i = cfg.ingress
     return IngressSpec(
         server_name=server_name, tls_cert_path=cert_path, tls_key_path=key_path, upstream_port=cfg.engine.port,
-        api_keys=dict(cfg.secrets.api_keys), https_port=i.https_port, http_port=i.http_port,
+        api_keys={**cfg.secrets.api_keys, **(extra_keys or {})}, https_port=i.https_port, http_port=i.http_port,
         rate_per_second=i.rate_per_second, burst=i.burst,
         metrics_allow_cidrs=tuple(i.metrics_allow_cidrs or ("127.0.0.1/32", "::1/128")),
         read_timeout_s=i.read_timeout_s, max_conns_per_address=i.max_conns_per_address,
@@ -56,10 +57,11 @@ def tls_paths(cfg: StackConfig) -> tuple[str, str]:
     return f"{TLS_DIR}/server.pem", f"{TLS_DIR}/server.key"
 
 
-def render_files(cfg: StackConfig, server_name: str, cert_pem: str, key_pem: str) -> tuple[list[dict], list[dict]]:
-    """Files to stage (uploaded) and where apply installs them."""
+def render_files(cfg: StackConfig, server_name: str, cert_pem: str, key_pem: str,
+                 extra_keys: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """Files to stage (uploaded) and where apply installs them; extra_keys are fimfleet's own (the probe's)."""
     cert_path, key_path = tls_paths(cfg)
-    spec = spec_for(cfg, server_name, cert_path, key_path)
+    spec = spec_for(cfg, server_name, cert_path, key_path, extra_keys)
     staged, installs = [], []
     for f in ingress_install_plan(spec):
         name = f.path.rsplit("/", 1)[-1]
@@ -93,8 +95,9 @@ class NginxIngress(pulumi.ComponentResource):
     """See module docstring. Outputs: endpoint, probe_endpoint, ca_pem, digest."""
 
     def __init__(self, name: str, cfg: StackConfig, node: str, connection: pulumi.Input[dict],
-                 opts: pulumi.ResourceOptions | None = None):
+                 extra_keys: dict[str, pulumi.Input[str]] | None = None, opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:ingress:NginxIngress", name, None, opts)
+        extra_keys = extra_keys or {}
         child = pulumi.ResourceOptions(parent=self)
         i = cfg.ingress
         conn = pulumi.Output.from_input(connection)
@@ -127,10 +130,12 @@ class NginxIngress(pulumi.ComponentResource):
             self.ca_pem = pulumi.Output.from_input("")
 
         server_name = i.domain or (cfg.host.address if cfg.host.kind == "ssh" else "localhost")
-        rendered = pulumi.Output.all(cert_pem, key_pem).apply(lambda a: render_files(cfg, server_name, a[0], a[1]))
+        rendered = pulumi.Output.all(cert_pem, key_pem, pulumi.Output.all(**extra_keys)).apply(
+            lambda a: render_files(cfg, server_name, a[0], a[1], a[2]))
         staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))
         # Install paths, modes and the digest do not depend on the PEMs: render once with placeholders.
-        placeholder_staged, installs = render_files(cfg, server_name, "<cert>", "<key>")
+        placeholder_keys = {n: f"placeholder{i:04d}".ljust(32, "0") for i, n in enumerate(sorted(extra_keys))}
+        placeholder_staged, installs = render_files(cfg, server_name, "<cert>", "<key>", placeholder_keys)
         scripts = step_scripts(cfg, installs)
         self.digest = templates.digest(placeholder_staged, i.tls)
         self.step = RemoteStep(f"{name}-nginx", label="nginx ingress", connection=conn, files=staged,

@@ -4,15 +4,63 @@ Numbers come from each checkpoint's config.json (num_hidden_layers,
 num_key_value_heads, head_dim = hidden_size / num_attention_heads, vocab_size,
 tie_word_embeddings) and its published parameter count. A local model directory is
 read the same way, so the sizing of the test model is not a guess either.
+
+The FIM format (prompt tokens and stop strings) lives here too, once: the SLA probe, the
+engine's readiness check, the monitor's probe and the editor configs all take it from
+the model spec.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 GIB = 1024**3
+
+MAX_STOP_WORDS = 4
+"""vLLM's OpenAI schema refuses a 5th stop string with HTTP 400 (so does OpenAI's)."""
+
+
+@dataclass(frozen=True)
+class FimFormat:
+    """How a base code model is prompted for Fill-in-the-Middle, and where its answer ends.
+
+    The stop strings fire only for tokens the tokenizer does not mark `special`: vLLM
+    detokenizes with skip_special_tokens=True, so a special token never reaches the text
+    that stop strings are matched against. Qwen2.5-Coder marks its FIM and file tokens
+    not special (only <|endoftext|>, its EOS, is), so these stop where an editor expects.
+    """
+
+    prefix_token: str
+    suffix_token: str
+    middle_token: str
+    stop: tuple[str, ...]
+    """Sent with every FIM request (probe, readiness, editors), in priority order."""
+
+    def __post_init__(self):
+        if not 0 < len(self.stop) <= MAX_STOP_WORDS:
+            raise ValueError(f"a FIM format needs 1-{MAX_STOP_WORDS} stop strings, got {self.stop!r}")
+
+    def prompt(self, prefix: str, suffix: str) -> str:
+        """The prompt for /v1/completions (vLLM rejects the OpenAI `suffix` field for these models)."""
+        return f"{self.prefix_token}{prefix}{self.suffix_token}{suffix}{self.middle_token}"
+
+    def handlebars(self) -> str:
+        """The same prompt as a Continue.dev autocomplete template (triple braces: no HTML escaping)."""
+        return self.prompt("{{{prefix}}}", "{{{suffix}}}")
+
+    def tokens(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.prefix_token, self.suffix_token, self.middle_token, *self.stop)))
+
+
+QWEN_FIM = FimFormat(
+    prefix_token="<|fim_prefix|>", suffix_token="<|fim_suffix|>", middle_token="<|fim_middle|>",
+    # End of text, or the model starting another file or FIM frame (Continue's Qwen template
+    # lists these first too). <|endoftext|> is also the EOS token, so vLLM stops on it anyway.
+    stop=("<|endoftext|>", "<|file_sep|>", "<|fim_prefix|>", "<|fim_suffix|>"),
+)
+"""Qwen2.5-Coder (base) FIM: https://github.com/QwenLM/Qwen2.5-Coder (FIM tokens 151659-151661)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +76,10 @@ class ModelSpec:
     embedding_params: int
     """Input embedding plus LM head (once if tied); they stay 16-bit when the rest is quantized."""
     max_context: int
-    supports_fim: bool = True
+    fim: FimFormat | None = QWEN_FIM
+    """Its FIM format (None: no FIM tokens, so no autocomplete)."""
+    chat: bool = False
+    """Has a chat template (an -Instruct model): only then can editors use it for chat."""
     attention_heads: int = 0
     """Query heads: tensor parallelism must divide them (0 = unknown)."""
 
@@ -108,6 +159,25 @@ def spec_from_hf_config(name: str, config: dict, params: int | None = None) -> M
 
 
 def load_local_spec(name: str, model_dir: str | Path) -> ModelSpec:
-    """Read a model directory's config.json; raises FileNotFoundError naming the path."""
+    """Read a model directory's config.json (raises FileNotFoundError naming the path) and
+    its tokenizer_config.json: FIM only if it defines the FIM tokens, chat only with a chat template."""
     path = Path(model_dir) / "config.json"
-    return spec_from_hf_config(name, json.loads(path.read_text()))
+    spec = spec_from_hf_config(name, json.loads(path.read_text()))
+    tok_path = Path(model_dir) / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text()) if tok_path.is_file() else {}
+    added = {t.get("content") for t in (tok.get("added_tokens_decoder") or {}).values() if isinstance(t, dict)}
+    fim = QWEN_FIM if set(QWEN_FIM.tokens()) <= added else None
+    chat = bool(tok.get("chat_template")) or (Path(model_dir) / "chat_template.jinja").is_file()
+    return replace(spec, fim=fim, chat=chat)
+
+
+def readiness_body(spec: ModelSpec, served_name: str, prefix: str = "def f(x):\n    return ", suffix: str = "\n",
+                   max_tokens: int = 1) -> str:
+    """JSON body of a short /v1/completions request in the model's FIM format (readiness and
+    liveness probes); a model without FIM gets the plain prefix."""
+    fim = spec.fim
+    body = {"model": served_name, "prompt": fim.prompt(prefix, suffix) if fim else prefix,
+            "max_tokens": max_tokens, "temperature": 0}
+    if fim:
+        body["stop"] = list(fim.stop)
+    return json.dumps(body)

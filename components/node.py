@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pulumi
 
-from components import editors, templates
+from components import editors, keys, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
@@ -39,14 +39,19 @@ class InferenceNode(pulumi.ComponentResource):
         conn = self.host.connection
         self.kernel = KernelTuning(f"{name}-kernel", cfg, conn, opts=child(self.host))
         self.runtime = VllmRuntime(f"{name}-runtime", cfg, node=name, connection=conn, opts=child(self.kernel))
-        self.ingress = NginxIngress(f"{name}-ingress", cfg, node=name, connection=conn, opts=child(self.runtime))
+        # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
+        self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=cfg.monitor.probe_key_rotation, opts=child())
+        probe_key = pulumi.Output.secret(self.probe_key.key)
+        self.ingress = NginxIngress(f"{name}-ingress", cfg, node=name, connection=conn,
+                                    extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(self.runtime))
         model = served_name(cfg)
-        probe_key_name = sorted(cfg.secrets.api_keys)[0]
-        probe_key = pulumi.Output.secret(cfg.secrets.api_keys[probe_key_name])
         self.monitor = Monitor(f"{name}-monitor", cfg, node=name, unit=self.runtime.unit, connection=conn,
                                probe_key=probe_key, ca_pem=self.ingress.ca_pem, opts=child(self.ingress))
         self.endpoint = self.ingress.endpoint
-        trigger = templates.digest(self.kernel.digest, self.runtime.digest, self.ingress.digest)
+        # The host identity is part of it: a rebuilt or replaced host is measured again, so the
+        # report in the outputs always belongs to the host that serves now.
+        deployed = templates.digest(self.kernel.digest, self.runtime.digest, self.ingress.digest)
+        trigger = self.host.identity.identity.apply(lambda ident: templates.digest(deployed, ident))
         self.sla = None
         if cfg.sla.enabled:
             s = cfg.sla
@@ -55,11 +60,15 @@ class InferenceNode(pulumi.ComponentResource):
                 model=model, thresholds=sla_thresholds(cfg), samples=s.samples, warmup=s.warmup,
                 concurrency=s.concurrency, max_tokens=s.max_tokens, trigger=trigger, opts=child(self.monitor))
         self.model = model
-        self.continue_yaml = pulumi.Output.secret(pulumi.Output.all(self.endpoint, probe_key).apply(
-            lambda a: editors.continue_yaml(a[0], model, a[1])))
-        self.continue_json = pulumi.Output.secret(pulumi.Output.all(self.endpoint, probe_key).apply(
-            lambda a: editors.continue_json(a[0], model, a[1])))
-        self.cursor_settings = pulumi.Output.secret(pulumi.Output.all(self.endpoint, probe_key).apply(
-            lambda a: editors.cursor_settings(a[0], model, a[1])))
-        self.curl = self.endpoint.apply(lambda e: editors.curl_smoke_test(e, model))
+        ed = editors.args_for(cfg)
+        # One set of editor outputs per user key, each holding only that user's key.
+        self.editor_configs = {
+            key_name: {
+                "continueYaml": pulumi.Output.secret(pulumi.Output.all(self.endpoint, user_key, self.ingress.ca_pem).apply(
+                    lambda a: editors.continue_yaml(ed, a[0], a[1], a[2]))),
+                "cursorNotes": pulumi.Output.secret(self.endpoint.apply(lambda e: editors.cursor_notes(ed, e))),
+            }
+            for key_name, user_key in sorted(cfg.secrets.api_keys.items())
+        }
+        self.curl = self.endpoint.apply(lambda e: editors.curl_smoke_test(ed, e))
         self.register_outputs({"endpoint": self.endpoint, "model": model})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pulumi
 
-from components import engine, templates
+from components import engine, models, templates
 from components.config import StackConfig
 from components.remote import RemoteStep, dir_digest
 
@@ -138,7 +138,8 @@ class VllmRuntime(pulumi.ComponentResource):
         self.service = RemoteStep(
             f"{name}-service", label="vLLM service", connection=connection, files=files,
             apply=templates.render("runtime/start.sh.j2", timeout_s=cfg.runtime.start_timeout_s,
-                                   served_name=engine.served_name(cfg), port=cfg.engine.port, **kw),
+                                   served_name=engine.served_name(cfg), port=cfg.engine.port,
+                                   ready_body=models.readiness_body(cfg.model_spec, engine.served_name(cfg)), **kw),
             check=templates.render("runtime/check.sh.j2", **kw),
             destroy=templates.render("runtime/destroy.sh.j2", **kw),
             triggers=[self.digest], timeout_s=cfg.runtime.start_timeout_s + 120,

@@ -133,8 +133,9 @@ def main(argv=None) -> int:
     out = outputs(cfg, show_secrets=True)
     print(f"\nendpoint: {out['endpoint']}\nmodel:    {out['model']}\n")
     print(out.get("slaReport", "(no SLA report)"))
-    print("\nContinue.dev config (~/.continue/config.yaml):\n")
-    print(out["continueConfigYaml"])
+    print(f"\nContinue.dev config for {KEY_NAMES[0]} (~/.continue/config.yaml; every key has its own, "
+          f"see `pulumi stack output editorConfigs --show-secrets`):\n")
+    print(out["editorConfigs"][KEY_NAMES[0]]["continueYaml"])
     ca = WORK / "fimfleet-ca.pem"
     ca.write_text(out["caPem"])
     print(f"smoke test (CA in {ca}; export FIMFLEET_KEY from the config above):\n  "

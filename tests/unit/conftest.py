@@ -33,6 +33,8 @@ class Mocks(pulumi.runtime.Mocks):
         outs = dict(args.inputs)
         if args.name.endswith("-cert"):
             outs.update(caPem="CA", certPem="CERT", keyPem="KEY")
+        if args.name.endswith("-probe-key"):  # components/keys.py: the provider's create does not run under mocks
+            outs.update(key="mock-probe-key-0123456789abcdefghijklmnop")
         return f"{args.name}-id", outs
 
     def call(self, args: pulumi.runtime.MockCallArgs):
@@ -45,5 +47,8 @@ pulumi.runtime.set_mocks(Mocks(), project="fimfleet", stack="test", preview=Fals
 
 @pytest.fixture
 def recorder():
-    RECORDER.registrations.clear()
-    return RECORDER
+    # The active one: `from tests.unit.conftest import RECORDER` imports this file a second time
+    # under another name, which installs a second recorder.
+    active = pulumi.runtime.settings.get_monitor()
+    active.registrations.clear()
+    return active

@@ -103,7 +103,7 @@ def test_secrets_stay_secret(recorder):
 
     def check_outputs(_):
         return pulumi.Output.all(*(pulumi.Output.from_input(is_secret(o)) for o in
-                                   (node.continue_yaml, node.continue_json, node.cursor_settings)))
+                                   [o for outs in node.editor_configs.values() for o in outs.values()]))
 
     return settle(fleet).apply(check).apply(check_outputs).apply(lambda flags: assert_all(flags))
 

@@ -42,6 +42,10 @@ SPECIAL_TOKENS = [
     "<|repo_name|>",
     "<|file_sep|>",
 ]
+MARKED_SPECIAL = frozenset({"<|endoftext|>"})
+"""Marked `special` as in Qwen2.5-Coder's own tokenizer_config.json, where the FIM and file
+tokens (151659-151664) are not: vLLM skips special tokens when it detokenizes, so stop
+strings match only non-special ones, and the tiny model must behave like the real one."""
 # Qwen2's pre-tokenizer split pattern (from Qwen2.5 tokenizer.json).
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -137,8 +141,13 @@ def build_tokenizer():
             yield p.read_text(encoding="utf-8", errors="replace")
 
     tok.train_from_iterator(lines(), trainer=trainer)
-    # Specials are appended after the regular vocabulary, in Qwen's order.
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    # Added tokens are appended after the regular vocabulary, in Qwen's order; only
+    # MARKED_SPECIAL are special (all are whole tokens, never split or normalized).
+    from tokenizers import AddedToken
+
+    for t in SPECIAL_TOKENS:
+        added = AddedToken(t, normalized=False, special=t in MARKED_SPECIAL)
+        (tok.add_special_tokens if t in MARKED_SPECIAL else tok.add_tokens)([added])
     return tok
 
 
@@ -152,7 +161,7 @@ def write_tokenizer_files(tok, out: Path) -> dict[str, int]:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": t in MARKED_SPECIAL,
         }
         for t, i in ids.items()
     }
@@ -160,7 +169,7 @@ def write_tokenizer_files(tok, out: Path) -> dict[str, int]:
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": SPECIAL_TOKENS[1:],
+        "additional_special_tokens": [],
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|endoftext|>",
@@ -173,7 +182,7 @@ def write_tokenizer_files(tok, out: Path) -> dict[str, int]:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     stm = {
-        "additional_special_tokens": SPECIAL_TOKENS[1:],
+        "additional_special_tokens": [],
         "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>",
     }
@@ -232,6 +241,9 @@ def verify(out: Path, ids: dict[str, int]) -> dict:
     for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"):
         if ids[t] not in enc:
             raise SystemExit(f"tokenizer check failed: {t} (id {ids[t]}) not a single token in {enc}")
+    for t, i in ids.items():  # what vLLM's detokenizer shows, and so what stop strings can match
+        if tok.decode([i], skip_special_tokens=True) != ("" if t in MARKED_SPECIAL else t):
+            raise SystemExit(f"tokenizer check failed: {t} is not marked special={t in MARKED_SPECIAL}")
     text = "def add(a, b):\n    return a + b\n"
     if tok.decode(tok(text)["input_ids"]) != text:
         raise SystemExit("tokenizer check failed: decode(encode(text)) != text")
