@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from components import grammar, models, sizing
+from components.cloud_types import CLOUD_PROVIDERS
 from components.config import PORT, Problem, _camel
 
 CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)$")
@@ -173,6 +174,14 @@ def check_kernel(kernel, problems):
             problems.append(Problem(f"kernel.sysctl.{k}", v, msg))
 
 
+def check_sla_fits_the_ingress(sla, ingress, problems):
+    """The SLA probe comes from one address: more streams than limit_conn allows would get 429s."""
+    if _have(sla.concurrency, ingress.max_conns_per_address) and sla.concurrency > ingress.max_conns_per_address:
+        problems.append(Problem("sla.concurrency", sla.concurrency,
+                                f"must not exceed ingress.maxConnsPerAddress ({ingress.max_conns_per_address}): the probe "
+                                "runs from one address; raise that limit or lower the concurrency"))
+
+
 def check_ports(engine, ingress, problems):
     """The engine listens on loopback, nginx on all addresses: one port cannot serve both."""
     for k in ("https_port", "http_port"):
@@ -197,8 +206,14 @@ def check_memory(spec, model, engine, host, tier, problems):
                                gpus=engine.tensor_parallel_size, utilization=engine.gpu_memory_utilization,
                                max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_dtype_bytes=kv_bytes)
         where = "host.gpuMemoryGiB"
+    cloud = getattr(host, "provider", "") in CLOUD_PROVIDERS
     if not plan.fits:
-        if plan.total > plan.capacity:
+        if plan.total > plan.capacity and cloud:
+            # The memory comes from the instance type here: that is the key to change.
+            problems.append(Problem("host.instanceType", host.instance_type or "(default)",
+                                    f"{spec.name} ({model.quantization}) does not fit this type: {plan.explain()}. "
+                                    "Choose a bigger instance type or a smaller quantization"))
+        elif plan.total > plan.capacity:
             problems.append(Problem(where, host.memory_gib if tier.device == "cpu" else host.gpu_memory_gib,
                                     f"{spec.name} ({model.quantization}) does not fit: {plan.explain()}. "
                                     "Use a smaller quantization, a smaller engine.kvCacheGiB, or a bigger tier"))

@@ -22,6 +22,7 @@ import pulumi.dynamic
 from pulumi.runtime.rpc import UNKNOWN as _PULUMI_UNKNOWN
 
 from components.sla.probe import ProbeConfig, check_sla
+from components.errors import readable_failures
 from components.sla.report import SlaViolationError
 from components.sla.thresholds import SlaThresholds, as_int
 
@@ -171,9 +172,11 @@ class FimSlaCheckProvider(pulumi.dynamic.ResourceProvider):
                     passed=True)
         return outs
 
+    @readable_failures
     def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
         return pulumi.dynamic.CreateResult(id_=f"fimsla-{uuid.uuid4().hex[:12]}", outs=self._probe(props))
 
+    @readable_failures
     def update(self, _id: str, _olds: dict[str, Any], news: dict[str, Any]) -> pulumi.dynamic.UpdateResult:
         return pulumi.dynamic.UpdateResult(outs=self._probe(news))
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from components.errors import Error
 from components.sla.stats import (PERCENTILE_METHOD, fmt, histogram_bins, rounded, summarize,
                                   text_histogram)
 from components.sla.thresholds import SlaThresholds, Violation, evaluate, judged_limits, measured, report_dict
@@ -296,10 +297,13 @@ class SlaResult:
         return render_text(self.report, self.thresholds, self.violations)
 
 
-class SlaViolationError(Exception):
-    """The SLA was missed. ``str(exc)`` is the readable report."""
+class SlaViolationError(Error):
+    """The SLA was missed. ``str(exc)`` is the readable report (shown without a traceback)."""
 
     def __init__(self, summary: str, report: Optional[dict[str, Any]] = None):
         super().__init__(summary)
         self.summary = summary
         self.report = report
+
+
+SlaViolationError.__module__ = "fimfleet"

@@ -112,6 +112,7 @@ def test_pulumi_up_gate_end_to_end(fake, tmp_path):
     assert missed.returncode != 0
     out = missed.stdout + missed.stderr
     assert "SLA MISSED" in out and "ttft_p99_ms: measured" in out and "TTFT histogram:" in out
+    assert "fimfleet.SlaViolationError: FIM latency SLA missed" in out and "Traceback" not in out, out[-3000:]
 
     state = pulumi("stack", "export")
     assert state.returncode == 0

@@ -381,9 +381,9 @@ def test_a_cpu_type_too_small_for_the_tier_or_the_model_fails():
 
     assert "ccx23 has 4 vCPUs; tier cpu-epyc-7b-int4 is sized (threads, SLA) for 8" in problems("ccx23")["host.instanceType"]
     assert problems("ccx63") == {}
-    # The sizing check weighs the type's RAM: a 14B BF16 model does not fit a CCX33 (32 GB), it fits a CCX43 (64 GB).
+    # The sizing check weighs the type's RAM and names the type: a 14B BF16 model does not fit a CCX33 (32 GB), it fits a CCX43.
     big = {"model": {"id": "Qwen/Qwen2.5-Coder-14B", "quantization": "bf16"}}
-    assert "does not fit" in problems("ccx33", **big)["host.memoryGiB"]
+    assert "does not fit" in problems("ccx33", **big)["host.instanceType"]
     assert problems("ccx43", **big) == {}
 
 
