@@ -58,6 +58,11 @@ def check_model(model, tier, problems):
         problems.append(Problem("model.quantization", model.quantization,
                                 f"not runnable by vLLM on {tier.device}; choose one of: "
                                 + ", ".join(q for q, v in models.QUANTIZATIONS.items() if tier.device in v.devices)))
+    if (quant and quant.bytes_per_param < 1 and tier.device == "cpu"
+            and "avx512f" not in tier.required_cpu_flags):
+        problems.append(Problem("model.quantization", model.quantization,
+                                "vLLM's AVX2 CPU build has no INT4 kernels (cpu_gemm_wna16 needs AVX-512); "
+                                "on this AVX2 tier use int8 or bf16"))
     _grammar(problems, "model.servedName", model.served_name, grammar.served_name)
     _grammar(problems, "model.revision", model.revision, grammar.revision)
     if model.source == "local":
@@ -100,6 +105,10 @@ def _extra_args(raw) -> list[tuple[str, str | None]]:
     return pairs
 
 
+FLAGS_FIMFLEET_NEEDS = {
+    "--disable-log-stats": "freezes the /metrics counters that the monitor reads to tell a busy engine from a hung "
+                           "one (components/monitor.py); drop it",
+}
 REMOVED_VLLM_FLAGS = {
     "--device": "was removed from vLLM: the platform (CPU or GPU) comes from the vLLM build; drop it",
     "--swap-space": "was removed from vLLM (no CPU swap space in the V1 engine); drop it",
@@ -132,6 +141,8 @@ def check_engine(engine, host, tier, spec, problems):
                                     'each item is a flag like "--max-num-seqs", "--max-num-seqs=8", or the value after a flag'))
         elif flag in REMOVED_VLLM_FLAGS:
             problems.append(Problem("engine.extraArgs", shown, f"{flag} {REMOVED_VLLM_FLAGS[flag]}"))
+        elif flag in FLAGS_FIMFLEET_NEEDS:
+            problems.append(Problem("engine.extraArgs", shown, f"{flag} {FLAGS_FIMFLEET_NEEDS[flag]}"))
         elif value is not None and not re.fullmatch(r'[A-Za-z0-9_.:,/=+@{}\[\]"-]{1,1024}', value):
             problems.append(Problem("engine.extraArgs", shown, "flag values are letters, digits and _.:,/=+@{}[]\"- (no spaces, backslashes, %, $, ; or backticks)"))
     for k, v in (engine.env or {}).items():
