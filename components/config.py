@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from components import grammar, keys, models, sizing
+from components import grammar, ingress_render, keys, models, sizing
 from components.cloud_types import PROVIDERS
 from components.tiers import TIERS, Tier
 
@@ -99,7 +99,6 @@ class HostConfig:
     """Cloud providers: DNS zone on the same provider that gets an A record for ingress.domain."""
 
 
-
 @dataclass(frozen=True)
 class ModelConfig:
     id: str = key()
@@ -152,10 +151,16 @@ class IngressConfig:
     acme_email: str = key(default="")
     https_port: int = key(check=PORT, default=443)
     http_port: int = key(check=PORT, default=80)
-    rate_per_second: int = key(check=_range(1, 10000), default=10)
-    burst: int = key(check=_range(0, 100000), default=40)
+    rate_per_second: int = key(check=ingress_render.rule("rate_per_second"), default=10)
+    burst: int = key(check=ingress_render.rule("burst"), default=40)
     metrics_allow_cidrs: list = key(default=())
-    read_timeout_s: int = key(check=_range(10, 86400), default=600)
+    read_timeout_s: int = key(check=ingress_render.rule("read_timeout_s"), default=600)
+    max_conns_per_address: int = key(check=ingress_render.rule("max_conns_per_address"), default=32)
+    """Requests in progress per client address (nginx limit_conn); more get 429."""
+    client_max_body_size: str = key(check=ingress_render.rule("client_max_body_size", allow_empty=True), default="")
+    """Largest request body in nginx syntax (e.g. 256k); empty: derived from engine.maxModelLen."""
+    cert_validity_days: int = key(check=_range(1, 365), default=365)
+    """Life of the self-signed certificate (tls.MAX_VALIDITY_DAYS at most; reissued under 30 days left)."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +344,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
                                 "percentile limits must not decrease: ttftP50Ms <= ttftP95Ms <= ttftP99Ms"))
     checks.check_kernel(sec["kernel"], problems)
     checks.check_ports(engine, ingress, problems)
+    checks.check_sla_fits_the_ingress(sla, ingress, problems)
 
     memory = None
     needed = (host.memory_gib, host.gpu_memory_gib, engine.kv_cache_gib, engine.max_model_len, engine.max_num_seqs,
@@ -348,33 +354,6 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     if problems:
         raise ConfigError(problems)
     return StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=memory, **sec)
-
-
-LOCAL_PASSPHRASE = "fimfleet-local"
-"""The local test stacks' published passphrase (./fimfleet sets it for them); never for a real stack."""
-
-
-def is_local_stack(stack: str) -> bool:
-    return stack == "local" or stack.startswith("local-")
-
-
-def check_passphrase(stack: str, dry_run: bool, environ=None, stack_dir: Path | None = None) -> None:
-    """Refuse to deploy a real stack whose secrets are encrypted with the published passphrase.
-
-    ./fimfleet refuses it before `config set --secret` and `up`; this covers the official CLI."""
-    import os
-
-    env = os.environ if environ is None else environ
-    if dry_run or is_local_stack(stack) or env.get("PULUMI_CONFIG_PASSPHRASE") != LOCAL_PASSPHRASE:
-        return
-    stack_file = (stack_dir or Path(__file__).resolve().parent.parent / "stacks") / f"Pulumi.{stack}.yaml"
-    text = stack_file.read_text() if stack_file.exists() else ""
-    if re.search(r"^secretsprovider: *(?!passphrase)[a-z]+://", text, re.M):
-        return
-    raise ConfigError([Problem("env:PULUMI_CONFIG_PASSPHRASE", "<the local test stacks' passphrase>",
-                               f"stack {stack} must not encrypt its secrets with the passphrase published for the local "
-                               "test stacks: export PULUMI_CONFIG_PASSPHRASE=<your own> (then re-set the secrets), or "
-                               f"pulumi stack change-secrets-provider -s {stack} awskms://... (or another KMS)")])
 
 
 def _check_cloud(host, raw_host, tier, ingress, secrets, problems) -> HostConfig:

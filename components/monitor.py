@@ -130,6 +130,13 @@ def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str) 
     return files
 
 
+def scripts(cfg: StackConfig, node: str, unit: str) -> dict[str, str]:
+    """The monitor step's apply/check/destroy scripts, rendered exactly as they deploy."""
+    kw = dict(unit=unit, unit_base=Path(unit).stem, interval_s=settings(cfg).interval_s,
+              watchdog=cfg.monitor.watchdog, **names(node))
+    return {t: templates.render(f"monitor/{t}.sh.j2", **kw) for t in ("apply", "check", "destroy")}
+
+
 class Monitor(pulumi.ComponentResource):
     """Probe + recovery timer for one node's engine; see module docstring."""
 
@@ -138,12 +145,9 @@ class Monitor(pulumi.ComponentResource):
         super().__init__("fimfleet:monitor:Monitor", name, None, opts)
         n = names(node)
         files = pulumi.Output.all(probe_key, ca_pem).apply(lambda a: render_files(cfg, node, unit, a[0], a[1]))
-        kw = dict(unit=unit, unit_base=Path(unit).stem, interval_s=settings(cfg).interval_s,
-                  watchdog=cfg.monitor.watchdog, **n)
+        sh = scripts(cfg, node, unit)
         self.step = RemoteStep(f"{name}-timer", label="monitor timer", connection=connection, files=files,
-                               apply=templates.render("monitor/apply.sh.j2", **kw),
-                               check=templates.render("monitor/check.sh.j2", **kw),
-                               destroy=templates.render("monitor/destroy.sh.j2", **kw),
+                               apply=sh["apply"], check=sh["check"], destroy=sh["destroy"],
                                opts=pulumi.ResourceOptions(parent=self))
         self.timer = n["timer"]
         self.register_outputs({"timer": self.timer})

@@ -94,6 +94,29 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
                            launch=launch)
 
 
+def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
+    """Every script the runtime's steps run, rendered exactly as they deploy (tests read these too)."""
+    unit = unit_name(node)
+    kw = dict(unit=unit, venv=cfg.runtime.venv_path, user=SERVICE_USER, state_dir=STATE_DIR,
+              cache_dir=CACHE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
+              env_file=f"/etc/fimfleet/vllm-{node}.env")
+    out = {
+        "model": templates.render("runtime/model.sh.j2", source=cfg.model.source, model_path=model_path(cfg),
+                                  **{k: kw[k] for k in ("user", "state_dir", "cache_dir")}),
+        "start": templates.render("runtime/start.sh.j2", timeout_s=cfg.runtime.start_timeout_s,
+                                  served_name=engine.served_name(cfg), port=cfg.engine.port,
+                                  ready_body=models.readiness_body(cfg.model_spec, engine.served_name(cfg)), **kw),
+        "check": templates.render("runtime/check.sh.j2", **kw),
+        "destroy": templates.render("runtime/destroy.sh.j2", **kw),
+    }
+    if cfg.runtime.kind == "systemd":
+        out["install"] = templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
+                                          wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw)
+    else:
+        out["install"] = templates.render("runtime/pull-image.sh.j2", image=cfg.runtime.image or default_image(cfg))
+    return out
+
+
 class VllmRuntime(pulumi.ComponentResource):
     """Install (venv or image), model, unit, start-and-wait; see module docstring."""
 
@@ -101,47 +124,37 @@ class VllmRuntime(pulumi.ComponentResource):
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:runtime:VllmRuntime", name, None, opts)
         r = render(cfg, node)
+        sh = scripts(cfg, node)
         self.unit = r.unit
-        kw = dict(unit=r.unit, venv=cfg.runtime.venv_path, user=SERVICE_USER, state_dir=STATE_DIR,
-                  cache_dir=CACHE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
-                  env_file=f"/etc/fimfleet/vllm-{node}.env")
         child = pulumi.ResourceOptions(parent=self)
 
         if cfg.runtime.kind == "systemd":
             install = RemoteStep(
                 f"{name}-install", label="vLLM virtualenv", connection=connection,
                 files=[{"path": REMOTE_LOCK, "mode": "0644", "content": LOCK_FILE.read_text()}],
-                apply=templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
-                                       wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw),
-                timeout_s=3600, opts=child)
+                apply=sh["install"], timeout_s=3600, opts=child)
         else:
             image = cfg.runtime.image or default_image(cfg)
             install = RemoteStep(f"{name}-image", label="vLLM image", connection=connection,
-                                 apply=templates.render("runtime/pull-image.sh.j2", image=image),
-                                 triggers=[image], timeout_s=3600, opts=child)
+                                 apply=sh["install"], triggers=[image], timeout_s=3600, opts=child)
 
         uploads = None
         if cfg.model.source == "local":
             uploads = [{"local": str(Path(cfg.model.local_path).resolve()), "remote": model_path(cfg),
                         "digest": dir_digest(cfg.model.local_path)}]
         model = RemoteStep(f"{name}-model", label="model", connection=connection, uploads=uploads,
-                           apply=templates.render("runtime/model.sh.j2", source=cfg.model.source,
-                                                  model_path=model_path(cfg), **{k: kw[k] for k in ("user", "state_dir", "cache_dir")}),
-                           timeout_s=3600, opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
+                           apply=sh["model"], timeout_s=3600,
+                           opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
 
         files = [
             {"path": f"/etc/systemd/system/{r.unit}", "mode": "0644", "content": r.unit_file},
             {"path": f"/etc/systemd/system/{r.unit}.d/50-fimfleet-memory.conf", "mode": "0644", "content": r.cgroup_dropin},
-            {"path": kw["env_file"], "mode": "0600", "content": r.env_file},
+            {"path": f"/etc/fimfleet/vllm-{node}.env", "mode": "0600", "content": r.env_file},
         ]
         self.digest = templates.digest(files, uploads, cfg.runtime.vllm_version)
         self.service = RemoteStep(
             f"{name}-service", label="vLLM service", connection=connection, files=files,
-            apply=templates.render("runtime/start.sh.j2", timeout_s=cfg.runtime.start_timeout_s,
-                                   served_name=engine.served_name(cfg), port=cfg.engine.port,
-                                   ready_body=models.readiness_body(cfg.model_spec, engine.served_name(cfg)), **kw),
-            check=templates.render("runtime/check.sh.j2", **kw),
-            destroy=templates.render("runtime/destroy.sh.j2", **kw),
+            apply=sh["start"], check=sh["check"], destroy=sh["destroy"],
             triggers=[self.digest], timeout_s=cfg.runtime.start_timeout_s + 120,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[model]))
         self.register_outputs({"unit": self.unit, "digest": self.digest})

@@ -97,6 +97,9 @@ BAD = [
     ({"host": {"address": "203.0.113.10", "bastion": {"address": "198.51.100.1", "user": "ops;id"}}}, "host.bastion.user", "user name"),
     ({"engine": {"port": 443}}, "engine.port", "differ"),
     ({"engine": {"port": 80}}, "engine.port", "differ"),
+    ({"sla": {"concurrency": 40}}, "sla.concurrency", "maxConnsPerAddress"),
+    ({"engine": {"extraArgs": ["--disable-log-stats"]}}, "engine.extraArgs", "busy engine from a hung"),
+    ({"tier": "cpu-epyc-avx2-7b-int8", "model": {"quantization": "gptq-int4"}}, "model.quantization", "no INT4"),
     # Misleading messages before.
     ({"engine": {"extraArgs": ["--device", "cpu"]}}, "engine.extraArgs", "removed"),
     ({"engine": {"extraArgs": ["--swap-space=4"]}}, "engine.extraArgs", "removed"),

@@ -84,26 +84,19 @@ def scripts(cfg):
     yield "packages", templates.render("host/packages.sh.j2", packages=host.packages(cfg))
     yield "packages-destroy", templates.render("host/packages-destroy.sh.j2")
     r = runtime.render(cfg, "node")
-    kw = dict(unit=r.unit, venv=cfg.runtime.venv_path, user=runtime.SERVICE_USER, state_dir=runtime.STATE_DIR,
-              cache_dir=runtime.CACHE_DIR, kind=cfg.runtime.kind, container="vllm-node", env_file="/etc/fimfleet/x.env")
-    yield "install-venv", templates.render("runtime/install-venv.sh.j2", lock_path="/etc/x.lock", wheelhouse_url="",
-                                           index_url="", **kw)
-    yield "install-venv-wheelhouse", templates.render("runtime/install-venv.sh.j2", lock_path="/etc/x.lock",
-                                                      wheelhouse_url="http://10.0.2.2:8000/", index_url="", **kw)
-    yield "pull-image", templates.render("runtime/pull-image.sh.j2", image="vllm/vllm-openai:v0.32.0")
-    yield "model", templates.render("runtime/model.sh.j2", source="local", model_path="/var/lib/m", **{
-        k: kw[k] for k in ("user", "state_dir", "cache_dir")})
-    yield "start", templates.render("runtime/start.sh.j2", timeout_s=60, served_name="m", port=8000, **kw)
-    yield "runtime-check", templates.render("runtime/check.sh.j2", **kw)
-    yield "runtime-destroy", templates.render("runtime/destroy.sh.j2", **kw)
+    for step, body in runtime.scripts(cfg, "node").items():
+        yield f"runtime-{step}", body
+    wheelhouse = cfg_for(cfg.tier.name, runtime={"wheelhouseUrl": "http://10.0.2.2:8000/"}) if cfg.tier.device == "cpu" else cfg
+    yield "install-venv-wheelhouse", runtime.scripts(wheelhouse, "node")["install"]
+    docker = cfg_for("cpu-epyc-7b-int8", runtime={"kind": "docker"})
+    yield "pull-image", runtime.scripts(docker, "node")["install"]
     acme = cfg_for(cfg.tier.name, ingress={"tls": "acme", "domain": "example.com", "acmeEmail": "ops@example.com"})
     for c, tag in ((cfg, ""), (acme, "-acme")):
         for step, body in ingress_scripts(c, ingress_files(c, "example.com", "CERT", "KEY")[1]).items():
             yield f"ingress-{step}{tag}", body
-    n = monitor.names("node")
-    mkw = dict(unit=r.unit, unit_base="vllm-node", interval_s=15, watchdog=True, **n)
-    for t in ("apply", "check", "destroy"):
-        yield f"monitor-{t}", templates.render(f"monitor/{t}.sh.j2", **mkw)
+    watchdog = cfg_for(cfg.tier.name, monitor={"watchdog": True})
+    for t, body in monitor.scripts(watchdog, "node", r.unit).items():
+        yield f"monitor-{t}", body
     for f in ("fim-probe.sh", "recover.sh"):
         yield f, (templates.FILES / "monitor" / f).read_text()
 
