@@ -142,6 +142,33 @@ def test_03_ingress_keys_streaming_and_acls(node):
         assert c.get("/metrics", headers={"Authorization": f"Bearer {next(iter(keys(node).values()))}"}).status_code == 403
 
 
+def test_03b_each_users_editor_output_streams_through_continues_own_fetch(node):
+    """editorConfigs.<user>.continueYaml as generated, read and sent by Continue's own packages
+    (tests/js/continue_fim.mjs: config parser, Handlebars template, @continuedev/fetch with the
+    embedded CA) against the VM; without the CA the same request fails TLS."""
+    import yaml
+
+    from tests.js.continue_pkgs import node as run_continue
+
+    configs = node.outputs(secrets=True)["editorConfigs"]
+    user_keys = keys(node)
+    assert sorted(configs) == sorted(user_keys), f"one editor output set per user key: {sorted(configs)}"
+    for name, outs in configs.items():
+        assert sorted(outs) == ["continueYaml", "cursorNotes"], name
+        doc = yaml.safe_load(outs["continueYaml"])
+        [model] = doc["models"]
+        assert model["apiKey"] == user_keys[name], f"{name}'s config holds another key"
+        path = node.tmp / f"continue-{name}.yaml"
+        path.write_text(outs["continueYaml"])
+        _, out = run_continue("continue_fim.mjs", str(path), "def add(a, b):\n    return ", "\n", timeout=300)
+        assert out["ok"] and out["text"], f"{name}: {out}"
+        assert out["request"]["max_tokens"] == model["defaultCompletionOptions"]["maxTokens"]
+        assert out["request"]["stop"] == model["defaultCompletionOptions"]["stop"]
+        assert out["finishReason"] in ("length", "stop"), out
+        _, bad = run_continue("continue_fim.mjs", str(path), "x = ", "\n", "--no-ca", timeout=300)
+        assert not bad["ok"] and "certificate" in bad["error"].lower(), f"{name} without the CA: {bad}"
+
+
 def test_04_monitor_timer_active_and_last_probe_ok(node):
     deadline = time.monotonic() + 240
     while True:

@@ -91,3 +91,4 @@ def test_without_the_ca_continue_fails_tls(ingress, editor_args):
     out = continue_run(ingress, editor_args, "no-ca", {}, "--no-ca")
     assert not out["ok"] and out.get("code") in TLS_FAILURES, out
     assert "certificate" in out["error"].lower(), out
+    print(f"\nwithout the CA: {out['code']}: {out['error']}")
