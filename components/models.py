@@ -171,13 +171,18 @@ def load_local_spec(name: str, model_dir: str | Path) -> ModelSpec:
     return replace(spec, fim=fim, chat=chat)
 
 
-def readiness_body(spec: ModelSpec, served_name: str, prefix: str = "def f(x):\n    return ", suffix: str = "\n",
-                   max_tokens: int = 1) -> str:
-    """JSON body of a short /v1/completions request in the model's FIM format (readiness and
-    liveness probes); a model without FIM gets the plain prefix."""
-    fim = spec.fim
+def fim_body(fim: FimFormat | None, served_name: str, prefix: str = "def f(x):\n    return ", suffix: str = "\n",
+             max_tokens: int = 1) -> str:
+    """JSON body of a short /v1/completions request in a FIM format (readiness and liveness
+    probes); without a FIM format, the plain prefix."""
     body = {"model": served_name, "prompt": fim.prompt(prefix, suffix) if fim else prefix,
             "max_tokens": max_tokens, "temperature": 0}
     if fim:
         body["stop"] = list(fim.stop)
     return json.dumps(body)
+
+
+def readiness_body(spec: ModelSpec, served_name: str, prefix: str = "def f(x):\n    return ", suffix: str = "\n",
+                   max_tokens: int = 1) -> str:
+    """fim_body in the served model's own FIM format."""
+    return fim_body(spec.fim, served_name, prefix, suffix, max_tokens)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pulumi
 
-from components import templates
+from components import models, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.remote import RemoteStep
@@ -93,15 +93,21 @@ def state_dir(unit: str) -> str:
     return f"/run/fimfleet/monitor-{Path(unit).stem}"
 
 
+NONCE = "@NONCE@"
+"""fim-probe.sh replaces this in PROBE_BODY with the time, so no probe is a prefix-cache hit."""
+
+
 def env_file(s: Settings, *, unit: str, container: str, service_user: str, grace_s: int, probe_url: str,
-             metrics_url: str, key_file: str, ca_file: str, model: str, state: str | None = None) -> str:
+             metrics_url: str, key_file: str, ca_file: str, model: str, state: str | None = None,
+             fim: models.FimFormat | None = models.QWEN_FIM) -> str:
     """The env file recover.sh sources (as root, every round): every value is shell-quoted."""
+    probe_body = models.fim_body(fim, model, prefix=f"def probe_{NONCE}(x):\n    return ")
     return templates.render(
         "monitor/monitor.env.j2", unit=unit, container=container, service_user=service_user,
         state_dir=state or state_dir(unit),
         failure_threshold=s.failure_threshold, grace_s=grace_s, probe_url=probe_url, metrics_url=metrics_url,
         key_file=key_file, ca_file=ca_file, probe_timeout_s=s.probe_timeout_s, stall_s=s.stall_s,
-        metrics_timeout_s=s.metrics_timeout_s, restart_timeout_s=RESTART_TIMEOUT_S, model=model)
+        metrics_timeout_s=s.metrics_timeout_s, restart_timeout_s=RESTART_TIMEOUT_S, probe_body=probe_body)
 
 
 def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str) -> list[dict]:
@@ -111,7 +117,7 @@ def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str) 
                    service_user=SERVICE_USER if cfg.runtime.kind == "systemd" else "",
                    grace_s=cfg.runtime.start_timeout_s, probe_url=f"https://127.0.0.1:{cfg.ingress.https_port}",
                    metrics_url=f"http://127.0.0.1:{cfg.engine.port}/metrics", key_file=n["key_file"],
-                   ca_file=n["ca_file"], model=served_name(cfg))
+                   ca_file=n["ca_file"], model=served_name(cfg), fim=cfg.model_spec.fim if cfg.model_spec else None)
     files = [
         {"path": f"{n['lib_dir']}/fim-probe.sh", "mode": "0755", "content": (templates.FILES / "monitor/fim-probe.sh").read_text()},
         {"path": f"{n['lib_dir']}/recover.sh", "mode": "0755", "content": (templates.FILES / "monitor/recover.sh").read_text()},

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QWEN_FIM_TEMPLATE = "<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
-"""Qwen2.5-Coder FIM prompt (base model, sent to /v1/completions as ``prompt``)."""
-
+from components import models
 
 def fim_prompt(prefix: str, suffix: str) -> str:
-    """The one place the corpus applies the model's FIM prompt format."""
-    return QWEN_FIM_TEMPLATE.format(prefix=prefix, suffix=suffix)
+    """The corpus's prompts in the served model's FIM format (components/models.py, the one source)."""
+    return models.QWEN_FIM.prompt(prefix, suffix)
 
 
 @dataclass(frozen=True)

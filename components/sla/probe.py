@@ -33,17 +33,13 @@ import httpx
 
 from components.sla import corpus
 from components.sla.corpus import FimCase
+from components import models
 from components.sla.report import ProbeReport, RequestResult, SlaResult
 from components.sla.thresholds import SlaThresholds, evaluate
 
-DEFAULT_STOP: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|file_sep|>",
-    "<|fim_prefix|>",
-    "<|fim_suffix|>",
-)
-"""Stop strings for Qwen2.5-Coder FIM: end of text, or the model starting another file or FIM
-frame. The OpenAI schema that vLLM enforces allows at most 4 stop strings (a 5th is HTTP 400)."""
+DEFAULT_STOP: tuple[str, ...] = models.QWEN_FIM.stop
+"""The served model's FIM stop strings (components/models.py, at most 4: vLLM's OpenAI schema
+answers a 5th with HTTP 400)."""
 
 USER_AGENT = "fimfleet-sla-probe/1"
 

@@ -1,15 +1,16 @@
 #!/bin/bash
 # fimfleet deep probe: one real one-token FIM completion through the local ingress, with a key
 # and a hard timeout. /health stays 200 while an engine hangs; this does not.
-# Usage: fim-probe.sh ENV_FILE   (PROBE_URL, PROBE_KEY_FILE, PROBE_CA, MODEL, PROBE_TIMEOUT_S)
+# Usage: fim-probe.sh ENV_FILE   (PROBE_URL, PROBE_KEY_FILE, PROBE_CA, PROBE_BODY, PROBE_TIMEOUT_S)
 # Exit: 0 = a completion came back; 1 = no answer, an error or no completion (engine or
 # ingress trouble); 3 = the ingress REJECTED the probe (HTTP 401/403: wrong probe key or
 # ACL). A restart cannot fix 3, so recover.sh reports it and leaves the engine alone.
 set -euo pipefail
 # shellcheck disable=SC1090
 source "$1"
-model=${MODEL//\\/\\\\}; model=${model//\"/\\\"}  # a JSON string: backslashes and quotes escaped
-body=$(printf '{"model": "%s", "prompt": "<|fim_prefix|>def probe_%s(x):\\n    return <|fim_suffix|>\\n<|fim_middle|>", "max_tokens": 1, "temperature": 0}' "$model" "$(date +%s%N)")
+# The request in the model's FIM format, rendered by components/monitor.py from the model spec;
+# a fresh nonce each round, so the probe never rides the prefix cache.
+body=${PROBE_BODY//@NONCE@/$(date +%s%N)}
 rc=0
 out=$(curl -sS -m "$PROBE_TIMEOUT_S" --cacert "$PROBE_CA" -w '\n%{http_code}' \
   -H "Authorization: Bearer $(cat "$PROBE_KEY_FILE")" -H 'Content-Type: application/json' \

@@ -62,7 +62,7 @@ def test_env_file_is_data_when_sourced(tmp_path):
     env = next(f["content"] for f in monitor.render_files(cfg, "node", "vllm-node.service", "k" * 32, "CA")
                if f["path"].endswith(".env"))
     (tmp_path / "monitor.env").write_text(env)
-    out = subprocess.run(["bash", "-c", 'set -eu; source ./monitor.env; printf "%s" "$MODEL"'], cwd=tmp_path,
+    out = subprocess.run(["bash", "-c", 'set -eu; source ./monitor.env; printf "%s" "$PROBE_BODY"'], cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
-    assert out == hostile
+    assert json.loads(out)["model"] == hostile
     assert not list(tmp_path.glob("pwned*"))

@@ -382,3 +382,15 @@ def test_v1_state_update_probes_and_drops_the_old_inputs(fake):
     assert res.outs["passed"] is True and res.outs["api_key_sha256"] == _key_hash(KEY)
     assert "probe_options" not in res.outs and "insecure_skip_verify" not in res.outs
     assert p.diff("fimsla-v1", res.outs, news).changes is False
+
+
+def test_a_computed_trigger_passes_check_during_preview():
+    """The trigger hashes the host identity, unknown until the host is contacted: preview must accept it."""
+    import pulumi
+
+    from components.sla import provider as sla_provider
+
+    unknown = pulumi.Output(resources=set(), future=None, is_known=None)
+    assert sla_provider._is_unknown(unknown)
+    assert sla_provider._is_unknown(sla_provider._PULUMI_UNKNOWN)
+    assert not sla_provider._is_unknown("abc")
