@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.helpers import API_KEY, ssh_key
-from tests.integration.test_preview import ROOT, policy_results, pulumi, stack_copy
+from tests.integration.test_preview import ROOT, TEST_PASSPHRASE, policy_results, pulumi, stack_copy
 
 pytestmark = pytest.mark.integration
 
@@ -116,10 +116,13 @@ def test_stack_secrets_script_sets_every_secret_as_secret(tmp_path):
     """.github/scripts/stack-secrets.sh with the built CLI, in a scratch copy of the project files."""
     shutil.copy(ROOT / "Pulumi.yaml", tmp_path)
     (tmp_path / "stacks").mkdir()
-    shutil.copy(ROOT / "stacks" / "Pulumi.cpu-epyc-prod.yaml", tmp_path / "stacks")
+    text = (ROOT / "stacks" / "Pulumi.cpu-epyc-prod.yaml").read_text()
+    (tmp_path / "stacks" / "Pulumi.cpu-epyc-prod.yaml").write_text(
+        "".join(line for line in text.splitlines(True) if not line.startswith("encryptionsalt:")))
     env_out = subprocess.run([str(ROOT / "fimfleet"), "env"], capture_output=True, text=True, check=True).stdout
     env = dict(os.environ, **dict(line.split("=", 1) for line in env_out.splitlines()))
-    env.update(PULUMI_BACKEND_URL=f"file://{tmp_path / 'state'}", FIMFLEET_SSH_PRIVATE_KEY=ssh_key(),
+    env.update(PULUMI_BACKEND_URL=f"file://{tmp_path / 'state'}", PULUMI_CONFIG_PASSPHRASE=TEST_PASSPHRASE,
+               FIMFLEET_SSH_PRIVATE_KEY=ssh_key(),
                FIMFLEET_API_KEYS=json.dumps({"alice": API_KEY, "bob": API_KEY[::-1]}))
     (tmp_path / "state").mkdir()
     script = ROOT / ".github" / "scripts" / "stack-secrets.sh"

@@ -10,10 +10,13 @@ fetched here: their mock tests are in tests/unit/test_cloud.py.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,10 +48,23 @@ pytestmark = pytest.mark.integration
 TEST_PASSPHRASE = "fimfleet-tests-throwaway-passphrase"
 
 
+_STATE: list[str] = []
+
+
+def _test_state() -> str:
+    """One scratch state backend per test process: previews never touch the demo's .state/."""
+    if not _STATE:
+        _STATE.append(tempfile.mkdtemp(prefix="fimfleet-test-state-"))
+        atexit.register(shutil.rmtree, _STATE[0], True)
+    return f"file://{_STATE[0]}"
+
+
 def pulumi(*args, check=True, **kw):
-    kw["env"] = {**(kw.get("env") or os.environ), "PULUMI_CONFIG_PASSPHRASE": TEST_PASSPHRASE}
-    proc = subprocess.run([str(ROOT / "fimfleet"), "pulumi", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, **kw)
+    env = dict(kw.get("env") or os.environ)
+    env.setdefault("FIMFLEET_BACKEND_URL", _test_state())
+    kw["env"] = {**env, "PULUMI_CONFIG_PASSPHRASE": TEST_PASSPHRASE}
+    kw.setdefault("cwd", ROOT)
+    proc = subprocess.run([str(ROOT / "fimfleet"), "pulumi", *args], capture_output=True, text=True, timeout=600, **kw)
     if check and proc.returncode:
         raise AssertionError(f"pulumi {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -56,10 +72,15 @@ def pulumi(*args, check=True, **kw):
 
 def stack_copy(stack: str, tmp_path: Path, extra: dict | None = None, env: dict | None = None) -> Path:
     """A temp copy of a stack file with throwaway secrets; `env` (e.g. its own FIMFLEET_BACKEND_URL) goes to every call."""
-    cfg = tmp_path / f"Pulumi.{stack}.yaml"
+    # The stack is created from a scratch project dir, so its new passphrase salt lands in the copy,
+    # never in stacks/ of the repository.
+    project = tmp_path / "project"
+    (project / "stacks").mkdir(parents=True)
+    shutil.copy(ROOT / "Pulumi.yaml", project)
+    cfg = project / "stacks" / f"Pulumi.{stack}.yaml"
     text = (ROOT / "stacks" / f"Pulumi.{stack}.yaml").read_text()
     cfg.write_text("".join(line for line in text.splitlines(True) if not line.startswith("encryptionsalt:")))
-    pulumi("stack", "select", "--create", stack, env=env)
+    pulumi("stack", "select", "--create", stack, env=env, cwd=project)
     key = tmp_path / "id"
     key.write_text(ssh_key())
     pulumi("config", "set", "--secret", "fimfleet:sshPrivateKey", "--config-file", str(cfg), "-s", stack,
