@@ -13,6 +13,8 @@ from pulumi.runtime.proto import analyzer_pb2
 from policy import rules
 from policy.rules import SECRET_SIG, SECRET_SIG_KEY, StackFacts
 from tests.helpers import API_KEY, ssh_key
+from tests.unit import test_cloud as cloud
+from tests.unit.test_cloud import mocks  # noqa: F401 - the fixture, for the cloud firewall test
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,6 +171,21 @@ def test_ssh_opens_only_to_admin_cidrs(rtype, props, bad):
     msgs = rules.ssh_beyond_admin_cidrs(facts(**ADMIN), "fw", rtype, props)
     assert [m.split("is open to ")[1].split(",")[0] for m in msgs] == bad
     assert all("fimfleet:host.adminCidrs" in m for m in msgs)
+
+
+@pytest.mark.parametrize("stack", sorted(cloud.STACKS))
+def test_ssh_rule_on_the_firewalls_fimfleet_provisions(stack, mocks):
+    """components/cloud.py's real firewall inputs (under Pulumi mocks): the stack's own adminCidrs pass,
+    and the same firewall judged against other admin networks is blocked, rule by rule."""
+    regs, _ = cloud.deploy(cloud.stack_config(stack), mocks)
+    firewalls = [r for r in regs.values() if rules.ingress_rules(r["type"], r["inputs"]) is not None]
+    assert firewalls, f"{stack} provisions no firewall the SSH policy knows"
+    own = StackFacts.from_engine(stack, cloud.stack_values(stack), cloud.SECRET)
+    other = StackFacts.from_engine(stack, cloud.stack_values(stack, adminCidrs=["192.0.2.0/24"]), cloud.SECRET)
+    for r in firewalls:
+        assert rules.ssh_beyond_admin_cidrs(own, r["name"], r["type"], r["inputs"]) == []
+        blocked = rules.ssh_beyond_admin_cidrs(other, r["name"], r["type"], r["inputs"])
+        assert blocked and all('fimfleet:host.adminCidrs = ["192.0.2.0/24"]' in m for m in blocked)
 
 
 def test_ssh_without_admin_cidrs_is_open_to_nobody():
