@@ -42,8 +42,8 @@ def _key_hash(api_key: Any) -> Optional[str]:
 
 def _is_unknown(value: Any) -> bool:
     # During preview a computed input (e.g. the trigger, which hashes the host identity) arrives
-    # either as the UNKNOWN sentinel or as an output value without a value.
-    if isinstance(value, pulumi.Output) or value == _PULUMI_UNKNOWN:
+    # as the UNKNOWN sentinel, an Unknown object (dynamic providers' check) or an Output.
+    if isinstance(value, (pulumi.Output, pulumi.output.Unknown)) or value == _PULUMI_UNKNOWN:
         return True
     if isinstance(value, dict):
         return any(_is_unknown(v) for v in value.values())

@@ -393,4 +393,9 @@ def test_a_computed_trigger_passes_check_during_preview():
     unknown = pulumi.Output(resources=set(), future=None, is_known=None)
     assert sla_provider._is_unknown(unknown)
     assert sla_provider._is_unknown(sla_provider._PULUMI_UNKNOWN)
+    assert sla_provider._is_unknown(pulumi.output.Unknown())  # what a dynamic provider's check receives
+    props = {"endpoint": "https://h", "model": "m", "trigger": pulumi.output.Unknown(), "api_key": "k" * 32,
+             "thresholds": {"ttft_p50_ms": 1, "ttft_p95_ms": 2, "ttft_p99_ms": 3, "min_decode_tokens_per_s": 1,
+                            "max_errors": 0}}
+    assert sla_provider.FimSlaCheckProvider().check({}, props).failures == []
     assert not sla_provider._is_unknown("abc")
