@@ -4,8 +4,9 @@ One VM and one stack for the module, steps in order (each names what failed and 
 up → live kernel values → ingress keys/streaming/ACLs → monitor → no-op second up →
 drift repaired by `up --refresh` → impossible SLA fails and the node keeps serving →
 a changed host key is refused → a killed `up` leaves a lock the demo clears → destroy on an
-unreachable host warns → the VM stopped and a fresh one deployed again (SLA measured again)
-→ destroy restores the defaults.
+unreachable host warns → destroy restores the defaults. A replaced host (new identity: every
+step applied again) is covered against a real sshd in tests/integration/test_remote_ssh.py;
+a second full engine start here would cost about 10 minutes of CI.
 """
 
 from __future__ import annotations
@@ -275,20 +276,6 @@ def test_07d_destroy_on_an_unreachable_host_warns_and_finishes(node):
     assert "cannot reach" in text and "destroy step was skipped" in text and "Traceback" not in text, text[-4000:]
     proc = node.pulumi("up", "--yes", "--skip-preview")  # the monitor comes back
     assert proc.returncode == 0 and "node-monitor-timer" in proc.stdout, proc.stdout[-4000:]
-
-
-def test_07e_vm_stopped_then_deployed_again_measures_the_sla_again(node):
-    """The README's main job run twice with `vm.py stop` between: a fresh VM on a new port is a new host."""
-    before = node.outputs()
-    ld.stop_vm(node.state)
-    ld.start_vm(node.state, ld.prepare()["wheelhouse"])
-    proc = node.pulumi("up", "--yes", "--skip-preview")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert "Traceback" not in proc.stdout + proc.stderr
-    after = node.outputs()
-    assert after["endpoint"] != before["endpoint"]
-    assert after["slaPassed"] is True and after["slaReport"] != before["slaReport"], "the SLA was not measured again"
-    assert re.search(r"node-runtime-service +updated", proc.stdout) or "node-runtime-service" in proc.stdout
 
 
 def test_08_destroy_removes_what_fimfleet_installed(node):
