@@ -107,10 +107,43 @@ def stack_config(config_file: Path, state: Path, model_dir: str, extra: dict | N
     return config_file
 
 
+def backend_dir() -> Path:
+    """The file backend that ./fimfleet uses (FIMFLEET_BACKEND_URL, else .state)."""
+    url = os.environ.get("FIMFLEET_BACKEND_URL", f"file://{ROOT / '.state'}")
+    return Path(url[len("file://"):])
+
+
+def clear_stale_lock(stack: str = "local") -> bool:
+    """A CLI killed mid-update (laptop asleep, CI runner gone) leaves its lock behind. For the local
+    test stacks only, a lock whose process no longer runs on this machine is cancelled, and said so;
+    any other stack is never unlocked behind the user's back (Pulumi names `pulumi cancel` itself)."""
+    import socket
+
+    for lock in sorted(backend_dir().glob(f".pulumi/locks/**/{stack}/*.json")):
+        try:
+            info = json.loads(lock.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        pid, host = int(info.get("pid", 0) or 0), info.get("hostname", "")
+        if host != socket.gethostname() or pid <= 0 or Path(f"/proc/{pid}").exists():
+            continue
+        say(f"stack {stack} was left locked by process {pid}, which no longer runs (a killed `pulumi up`?): "
+            f"running `pulumi cancel -s {stack}`; the next up converges")
+        fimfleet_pulumi("cancel", "-s", stack, "--yes")
+        return True
+    return False
+
+
 def up(config_file: Path, *extra: str, check=True) -> subprocess.CompletedProcess:
     argv = [ROOT / "fimfleet", "pulumi", "up", "-s", "local", "--yes", "--non-interactive", "--skip-preview",
             "--config-file", config_file, *extra]
     return subprocess.run([str(a) for a in argv], cwd=ROOT, text=True, check=check)
+
+
+def stack_has_outputs() -> bool:
+    proc = subprocess.run([str(ROOT / "fimfleet"), "pulumi", "stack", "output", "-s", "local", "--json"], cwd=ROOT,
+                          capture_output=True, text=True)
+    return proc.returncode == 0 and proc.stdout.strip() not in ("", "{}")
 
 
 def outputs(config_file: Path, show_secrets=False) -> dict:
@@ -128,11 +161,19 @@ def main(argv=None) -> int:
     info = start_vm(a.state, paths["wheelhouse"])
     say(f"VM up: ssh -p {info['ssh']['port']} -i {info['ssh']['key']} root@127.0.0.1")
     cfg = stack_config(a.config_file, a.state, paths["model_dir"])
+    clear_stale_lock()
+    before = outputs(cfg).get("slaReport") if stack_has_outputs() else None
     say("pulumi up -s local (engine start under emulation takes several minutes)")
     up(cfg)
     out = outputs(cfg, show_secrets=True)
     print(f"\nendpoint: {out['endpoint']}\nmodel:    {out['model']}\n")
-    print(out.get("slaReport", "(no SLA report)"))
+    report = out.get("slaReport")
+    if report and report == before:
+        print("SLA report from an earlier run on this same, unchanged host and deployment "
+              "(nothing changed, so it was not measured again):")
+    elif report:
+        print("SLA report, measured in this run through the ingress:")
+    print(report or "(no SLA report)")
     print(f"\nContinue.dev config for {KEY_NAMES[0]} (~/.continue/config.yaml; every key has its own, "
           f"see `pulumi stack output editorConfigs --show-secrets`):\n")
     print(out["editorConfigs"][KEY_NAMES[0]]["continueYaml"])
