@@ -6,6 +6,8 @@ by PID. Import the fixtures (tls, upstream, keys, start_nginx, client) into a te
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import os
@@ -129,7 +131,11 @@ def make_tls(directory: Path) -> TlsFiles:
     """A test CA and a server certificate for fimfleet.test, 127.0.0.1 and ::1 (the product's own issuer)."""
     from components.tls import issue
 
-    pems = issue(SERVER_NAME, [SERVER_NAME], ["127.0.0.1", "::1"], days=1)
+    return write_tls(directory, issue(SERVER_NAME, [SERVER_NAME], ["127.0.0.1", "::1"], days=1))
+
+
+def write_tls(directory: Path, pems: dict) -> TlsFiles:
+    """The CA, certificate and key of `components.tls.issue` as files nginx and clients read."""
     files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server.key")
     files.ca.write_text(pems["caPem"])
     files.cert.write_text(pems["certPem"])
@@ -292,3 +298,18 @@ def start_nginx(tmp_path, tls, upstream, keys):
 def client(tls):
     with httpx.Client(verify=tls.context(), timeout=httpx.Timeout(10.0)) as c:
         yield c
+
+
+@contextlib.contextmanager
+def vllm_behind_nginx(root: Path, vllm_server: dict, api_keys: dict[str, str], upstream_api_key: str):
+    """Real nginx with fimfleet's ingress config and a test CA in front of the shared vLLM server;
+    yields the endpoint, the CA PEM and the work directory."""
+    tls = make_tls(root)
+    port = int(vllm_server["base"].rsplit(":", 1)[1])
+    nginx = Nginx(root / "nginx", tls, port, api_keys=api_keys, upstream_api_key=upstream_api_key,
+                  rate_per_second=100, burst=100).start()
+    try:
+        yield {"endpoint": nginx.url("").rstrip("/"), "ca": tls.ca.read_text(), "dir": root}
+    finally:
+        nginx.stop()
+

@@ -18,7 +18,7 @@ import yaml
 from components import config, editors, models
 from tests.helpers import raw_config
 from tests.integration.conftest import API_KEY, SERVED
-from tests.integration.test_nginx_ingress import Nginx, make_tls
+from tests.integration.nginx_harness import vllm_behind_nginx
 from tests.js.continue_pkgs import node
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -32,14 +32,8 @@ TLS_FAILURES = {"SELF_SIGNED_CERT_IN_CHAIN", "UNABLE_TO_VERIFY_LEAF_SIGNATURE", 
 @pytest.fixture(scope="module")
 def ingress(vllm_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("continue-ingress")
-    tls = make_tls(root)
-    port = int(vllm_server["base"].rsplit(":", 1)[1])
-    nginx = Nginx(root / "nginx", tls, port, api_keys={"alice": USER_KEY}, upstream_api_key=API_KEY,
-                  rate_per_second=100, burst=100).start()
-    try:
-        yield {"endpoint": nginx.url("").rstrip("/"), "ca": tls.ca.read_text(), "dir": root}
-    finally:
-        nginx.stop()
+    with vllm_behind_nginx(root, vllm_server, {"alice": USER_KEY}, API_KEY) as ing:
+        yield ing
 
 
 @pytest.fixture(scope="module")

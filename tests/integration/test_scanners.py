@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
 from components import config, ingress, tls  # noqa: E402
 from components.ingress_render import SITE_CONF  # noqa: E402
 from tests.helpers import raw_config  # noqa: E402
-from tests.integration.nginx_harness import NGINX, Nginx, TlsFiles, Upstream, bearer  # noqa: E402
+from tests.integration.nginx_harness import NGINX, Nginx, TlsFiles, Upstream, bearer, write_tls  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -71,15 +71,6 @@ def production_overrides(cfg: config.StackConfig, **test_values) -> dict:
     spec = ingress.spec_for(cfg, cfg.ingress.domain, *ingress.tls_paths(cfg))
     return {**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in LAYOUT},
             **test_values}
-
-
-def write_tls(directory: Path, pems: dict) -> TlsFiles:
-    files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server.key")
-    files.ca.write_text(pems["caPem"])
-    files.cert.write_text(pems["certPem"])
-    files.key.write_text(pems["keyPem"])
-    files.key.chmod(0o600)
-    return files
 
 
 def deployed_tree(cfg: config.StackConfig, root: Path, edit=lambda name, text: text) -> Path:

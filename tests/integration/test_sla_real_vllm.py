@@ -18,7 +18,7 @@ from components.sla.provider import FimSlaCheckProvider
 from components.sla.report import SlaViolationError
 from components.sla.thresholds import SlaThresholds
 from tests.integration.conftest import API_KEY, SERVED
-from tests.integration.test_nginx_ingress import Nginx, make_tls
+from tests.integration.nginx_harness import vllm_behind_nginx
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -28,14 +28,8 @@ KEY = "sk-fimfleet-sla-probe-key-0123456789"
 @pytest.fixture(scope="module")
 def ingress(vllm_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("sla-ingress")
-    tls = make_tls(root)
-    port = int(vllm_server["base"].rsplit(":", 1)[1])
-    nginx = Nginx(root / "nginx", tls, port, api_keys={"probe": KEY}, upstream_api_key=API_KEY,
-                  rate_per_second=100, burst=100).start()
-    try:
-        yield {"endpoint": nginx.url("").rstrip("/"), "ca": tls.ca.read_text(), "pid": vllm_server["pid"]}
-    finally:
-        nginx.stop()
+    with vllm_behind_nginx(root, vllm_server, {"probe": KEY}, API_KEY) as ing:
+        yield {**ing, "pid": vllm_server["pid"]}
 
 
 def props(ingress, **thresholds):
