@@ -6,13 +6,24 @@ miss) arrived wrapped in a dozen lines of Python traceback. `format_exc` honours
 `sys.tracebacklimit` of the provider process: a provider method wrapped with
 `readable_failures` sets it to 0 only when it raises `Error`, so the user sees
 `fimfleet.Error: <message>` alone, while a real bug (any other exception) keeps its full
-traceback. The limit is cleared again at the start of every call.
+traceback. The limit is cleared again at the start of every call. It is set only inside that
+host process (`python -m pulumi.dynamic`): elsewhere (a test, a program) a lingering limit of 0
+would empty every stack walk, and Pulumi's resource registration walks the stack.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+
+
+def _in_provider_host() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(spec, "name", "") == "pulumi.dynamic.__main__"
+
+
+IN_PROVIDER_HOST = _in_provider_host()
 
 
 class Error(Exception):
@@ -27,6 +38,8 @@ def readable_failures(method):
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
+        if not IN_PROVIDER_HOST:
+            return method(*args, **kwargs)
         sys.__dict__.pop("tracebacklimit", None)
         try:
             return method(*args, **kwargs)

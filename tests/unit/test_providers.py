@@ -116,10 +116,14 @@ def test_destroy_on_an_unreachable_host_warns_instead_of_failing(capsys):
     assert "nginx ingress" in err and "cannot reach root@127.0.0.1:1" in err and "stays" in err
 
 
-def test_expected_failures_have_no_traceback_and_bugs_keep_theirs():
+def test_expected_failures_have_no_traceback_and_bugs_keep_theirs(monkeypatch):
+    import sys
     import traceback
 
+    from components import errors
     from components.errors import Error, readable_failures
+
+    monkeypatch.setattr(errors, "IN_PROVIDER_HOST", True)  # as inside `python -m pulumi.dynamic`
 
     @readable_failures
     def expected():
@@ -136,6 +140,22 @@ def test_expected_failures_have_no_traceback_and_bugs_keep_theirs():
             text = traceback.format_exc()
         assert ("Traceback" in text) is want_traceback, text
     assert text.strip() == "fimfleet.Error: kernel tuning: apply failed with exit 1 on root@h:22"
+    sys.__dict__.pop("tracebacklimit", None)
+
+
+def test_outside_the_provider_host_the_traceback_limit_is_never_touched():
+    """A lingering limit of 0 empties every stack walk; Pulumi's registration under mocks then hangs."""
+    import sys
+
+    from components.errors import IN_PROVIDER_HOST, Error, readable_failures
+
+    @readable_failures
+    def expected():
+        raise Error("x")
+
+    with pytest.raises(Error):
+        expected()
+    assert not IN_PROVIDER_HOST and not hasattr(sys, "tracebacklimit")
 
 
 @pytest.mark.parametrize("provider", [remote.RemoteStepProvider(), tls.SelfSignedProvider()])
