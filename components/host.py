@@ -75,13 +75,14 @@ def connection_for(cfg: StackConfig, address: pulumi.Input[str] | None = None) -
     if h.bastion:
         conn.update(bastionHost=h.bastion["address"], bastionPort=int(h.bastion.get("port", 22)),
                     bastionUser=h.bastion.get("user", h.user))
+    conn["gone"] = h.gone  # a host declared gone is never contacted (destroy and refresh skip it)
     return pulumi.Output.secret(conn)
 
 
-def pinned_connection(base: pulumi.Input[dict], ident: HostIdentity, gone: bool) -> pulumi.Output[dict]:
+def pinned_connection(base: pulumi.Input[dict], ident: HostIdentity) -> pulumi.Output[dict]:
     """What every step connects with: the base connection plus the verified host key(s) and identity."""
     return pulumi.Output.secret(pulumi.Output.all(base, ident.hostKeySeen, ident.bastionHostKeySeen, ident.identity).apply(
-        lambda a: {**a[0], "hostKey": a[1], "bastionHostKey": a[2] or "", "identity": a[3], "gone": gone}))
+        lambda a: {**a[0], "hostKey": a[1], "bastionHostKey": a[2] or "", "identity": a[3]}))
 
 
 class Host(pulumi.ComponentResource):
@@ -98,11 +99,9 @@ class Host(pulumi.ComponentResource):
         first = pulumi.ResourceOptions(parent=self, depends_on=[self.instance] if self.instance else [])
         configured_key = cfg.host.host_key or (testbed_connection(cfg.host.testbed_state)["hostKey"]
                                                if cfg.host.kind == "local-vm" else "")
-        gone = cfg.host.gone
-        self.identity = HostIdentity(f"{name}-identity", connection=base.apply(lambda c: {**c, "gone": gone}),
-                                     host_key=configured_key,
+        self.identity = HostIdentity(f"{name}-identity", connection=base, host_key=configured_key,
                                      bastion_host_key=(cfg.host.bastion or {}).get("hostKey", ""), opts=first)
-        self.connection = pinned_connection(base, self.identity, cfg.host.gone)
+        self.connection = pinned_connection(base, self.identity)
         booted = [cloud.cloud_init_step(f"{name}-cloud-init", self.connection, opts=child)] if self.instance else []
         self.preflight = RemoteStep(f"{name}-preflight", label="host preflight", connection=self.connection,
                                     apply=preflight_script(cfg), timeout_s=120,

@@ -140,10 +140,11 @@ def up(config_file: Path, *extra: str, check=True) -> subprocess.CompletedProces
     return subprocess.run([str(a) for a in argv], cwd=ROOT, text=True, check=check)
 
 
-def stack_has_outputs() -> bool:
+def previous_outputs() -> dict:
+    """The local stack's outputs before this run ({} for a new or empty stack)."""
     proc = subprocess.run([str(ROOT / "fimfleet"), "pulumi", "stack", "output", "-s", "local", "--json"], cwd=ROOT,
                           capture_output=True, text=True)
-    return proc.returncode == 0 and proc.stdout.strip() not in ("", "{}")
+    return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else {}
 
 
 def outputs(config_file: Path, show_secrets=False) -> dict:
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
     say(f"VM up: ssh -p {info['ssh']['port']} -i {info['ssh']['key']} root@127.0.0.1")
     cfg = stack_config(a.config_file, a.state, paths["model_dir"])
     clear_stale_lock()
-    before = outputs(cfg).get("slaReport") if stack_has_outputs() else None
+    before = previous_outputs().get("slaReport")
     say("pulumi up -s local (engine start under emulation takes several minutes)")
     up(cfg)
     out = outputs(cfg, show_secrets=True)
