@@ -190,8 +190,14 @@ def test_recorded_ttft_p99_follows_the_sla_probe(stack):
     print(f"\nTTFT over {BURST['samples']} requests (concurrency {BURST['concurrency']}): "
           + ", ".join(f"p{q} recorded {recorded[q] * 1000:.1f} ms / probe {probe[q] * 1000:.1f} ms" for q in recorded)
           + f"; engine histogram p99 {engine_p99 * 1000:.1f} ms; recorded/probe p99 = {ratio:.2f}")
-    # the rule reproduces the engine's own histogram of these requests ...
-    assert recorded["99"] == pytest.approx(engine_p99, rel=0.10)
+    # the rule reproduces the engine's own histogram of these requests, within what rate()
+    # allows: it extrapolates each bucket series on its own, which moves the rank of a quantile
+    # by up to about one request. With 40 requests p99 sits 0.4 of a request below the slowest,
+    # so a lone slow outlier can land either side of it (seen: 46.7 ms recorded, 141 ms engine).
+    one = 1 / BURST["samples"]
+    for q, value in m.QUANTILES:
+        lo, hi = quantile(max(0.0, value - one), burst), quantile(min(1.0, value + one), burst)
+        assert lo * 0.9 <= recorded[q] <= hi * 1.1, f"p{q}: recorded {recorded[q]}, engine {lo}..{hi}"
     # ... which starts when the engine receives a request: it never shows a worse tail than the
     # probe measured through nginx (the path in front of the engine only adds to the probe's)
     assert recorded["99"] <= (1 + TOLERANCE) * probe["99"], (recorded, probe)
