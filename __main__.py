@@ -35,6 +35,10 @@ pulumi.export("memoryPlan", cfg.memory.explain() if cfg.memory else "")
 # Per user key: editorConfigs.<name>.continueYaml and .cursorNotes, all secret (components/editors.py).
 pulumi.export("editorConfigs", node.editor_configs)
 pulumi.export("curlSmokeTest", node.curl)
+if node.monitoring is not None:
+    pulumi.export("prometheusTunnel", node.monitoring.tunnel_command)
+    pulumi.export("prometheusUrl", node.monitoring.url)
+    pulumi.export("grafanaDashboard", node.monitoring.dashboard_json)
 if node.sla is not None:
     pulumi.export("slaReport", node.sla.summary)
     pulumi.export("slaPassed", node.sla.passed)

@@ -192,6 +192,18 @@ class SlaConfig:
 
 
 @dataclass(frozen=True)
+class MonitoringConfig:
+    """Prometheus and node_exporter on the node (components/monitoring.py): loopback only,
+    reached through the SSH tunnel in the output prometheusTunnel. Value rules live there."""
+
+    enabled: bool = key(default=True)
+    scrape_interval_s: int = key(default=15)
+    retention: str = key(default="15d")
+    alertmanager_webhook_url: str = key(default="")
+    """Off when empty; else Debian's Alertmanager sends every alert to this http(s) webhook."""
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     sysctl: dict = key(default=None)
     """Overrides of the tuned sysctl values (components/kernel.py), by sysctl name."""
@@ -219,6 +231,7 @@ class StackConfig:
     monitor: MonitorConfig
     sla: SlaConfig
     kernel: KernelConfig
+    monitoring: MonitoringConfig
     secrets: Secrets
     model_spec: models.ModelSpec
     memory: sizing.MemoryPlan
@@ -227,6 +240,7 @@ class StackConfig:
 SECTIONS = {
     "host": HostConfig, "model": ModelConfig, "engine": EngineConfig, "runtime": RuntimeConfig,
     "ingress": IngressConfig, "monitor": MonitorConfig, "sla": SlaConfig, "kernel": KernelConfig,
+    "monitoring": MonitoringConfig,
 }
 TOP_LEVEL = ("tier", *SECTIONS, *SECRET_KEYS)
 PY_TYPES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a map"}
@@ -353,7 +367,13 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
         memory = checks.check_memory(model_spec, model, engine, host, tier, problems)
     if problems:
         raise ConfigError(problems)
-    return StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=memory, **sec)
+    cfg = StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=memory, **sec)
+    if cfg.monitoring.enabled:
+        from components import monitoring  # monitoring reads this module's types: import it late
+
+        if found := monitoring.problems(monitoring.args_for(cfg, "node")):
+            raise ConfigError(found)
+    return cfg
 
 
 def _check_cloud(host, raw_host, tier, ingress, secrets, problems) -> HostConfig:

@@ -14,7 +14,7 @@ from components.cloud_types import CLOUD_PROVIDERS
 from components.config import StackConfig
 from components.host import testbed_forwards
 from components.ingress_render import (NGINX_DROPIN_PATH, IngressSpec, _is_ip, body_size_for, ingress_install_plan,
-                                       render_nginx_dropin)
+                                       metrics_cidrs, render_nginx_dropin)
 from components.remote import RemoteStep
 from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
 
@@ -43,7 +43,7 @@ def spec_for(cfg: StackConfig, server_name: str, cert_path: str, key_path: str,
         server_name=server_name, tls_cert_path=cert_path, tls_key_path=key_path, upstream_port=cfg.engine.port,
         api_keys={**cfg.secrets.api_keys, **(extra_keys or {})}, https_port=i.https_port, http_port=i.http_port,
         rate_per_second=i.rate_per_second, burst=i.burst,
-        metrics_allow_cidrs=tuple(i.metrics_allow_cidrs or ("127.0.0.1/32", "::1/128")),
+        metrics_allow_cidrs=metrics_cidrs(i.metrics_allow_cidrs, cfg.monitoring.enabled),
         read_timeout_s=i.read_timeout_s, max_conns_per_address=i.max_conns_per_address,
         client_max_body_size=i.client_max_body_size or body_size_for(cfg.engine.max_model_len),
     )

@@ -79,6 +79,16 @@ NGINX_DROPIN_PATH = "/etc/systemd/system/nginx.service.d/fimfleet-limits.conf"
 """systemd drop-in that sets the nginx unit's LimitNOFILE (see render_nginx_dropin)."""
 
 
+LOOPBACK_CIDRS = ("127.0.0.1/32", "::1/128")
+
+
+def metrics_cidrs(configured: Sequence[str], own_prometheus: bool) -> tuple[str, ...]:
+    """Who may read /metrics: the stack's list (loopback when empty), plus loopback when the
+    node's own Prometheus (components/monitoring.py) scrapes it there."""
+    cidrs = tuple(configured or LOOPBACK_CIDRS)
+    return cidrs + tuple(c for c in LOOPBACK_CIDRS if own_prometheus and c not in cidrs)
+
+
 def body_size_for(max_model_len: int) -> str:
     """client_max_body_size for an engine context of ``max_model_len`` tokens, in nginx syntax."""
     return f"{-(-max_model_len * BODY_BYTES_PER_TOKEN // 1024) + BODY_ENVELOPE_KIB}k"
@@ -134,7 +144,7 @@ class IngressSpec:
     """Sustained requests per second allowed for EACH key (nginx limit_req)."""
     burst: int = 20
     """Requests a key may make above the rate before it gets 429 (served without delay)."""
-    metrics_allow_cidrs: Sequence[str] = ("127.0.0.1/32", "::1/128")
+    metrics_allow_cidrs: Sequence[str] = LOOPBACK_CIDRS
     """Networks allowed to read /metrics; every other source gets 403."""
     read_timeout_s: int = 600
     """proxy_read_timeout / proxy_send_timeout on /v1/: longest silence between two
@@ -468,29 +478,3 @@ def nginx_test_command(spec: IngressSpec, nginx: str = "nginx") -> list[str]:
 def nginx_reload_command(spec: IngressSpec, nginx: str = "nginx") -> list[str]:
     """argv that reloads a running nginx started from this config (``-s reload``)."""
     return [nginx, "-c", f"{spec.conf_dir.rstrip('/')}/{MAIN_CONF}", "-s", "reload"]
-
-
-__all__ = [
-    "IngressSpec",
-    "IngressFile",
-    "render_ingress",
-    "render_nginx_dropin",
-    "ingress_install_plan",
-    "body_size_for",
-    "nofile_limit",
-    "setting_problem",
-    "rule",
-    "INT_RULES",
-    "SSL_ECDH_CURVES",
-    "NGINX_DROPIN_PATH",
-    "HTTPS_REQUIRED_STATUS",
-    "validate_spec",
-    "nginx_test_command",
-    "nginx_reload_command",
-    "INGRESS_FILE_MODES",
-    "INGRESS_SECRET_FILES",
-    "MAIN_CONF",
-    "SITE_CONF",
-    "KEYS_CONF",
-    "TEMPLATE_DIR",
-]

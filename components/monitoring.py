@@ -17,7 +17,6 @@ import ipaddress
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urlsplit
 
@@ -25,18 +24,14 @@ import pulumi
 
 from components import templates
 from components.config import ConfigError, Problem, _camel
+from components.monitoring_args import (CONFIG_DIR, HELPER_STATE, MONITOR_RUN_DIR, TEXTFILE_DIR, ExporterArgs,  # noqa: F401
+                                        ExporterTarget, MonitoringArgs, ScrapeNode, args_for)
 from components.remote import RemoteStep
 
-CONFIG_DIR = "/etc/prometheus/fimfleet"
-TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
-"""Debian's node_exporter reads *.prom files here by default."""
-MONITOR_RUN_DIR = "/run/fimfleet"
-"""files/monitor/recover.sh keeps its state in monitor-<unit without .service>/ below this."""
 STAGED_DIR = "/etc/fimfleet/monitoring"
 """/etc/default files as fimfleet wants them; packages.sh installs them before apt runs."""
 HELPER = "/usr/local/lib/fimfleet/monitor-textfile.sh"
 HELPER_ENV = "/etc/fimfleet/monitor-textfile.env"
-HELPER_STATE = "/var/lib/fimfleet/monitor-textfile"
 HELPER_UNIT = "fimfleet-monitor-textfile"
 PACKAGE_RECORD = "/var/lib/fimfleet/monitoring-{role}-packages"
 QUANTILES = (("50", 0.5), ("95", 0.95), ("99", 0.99))
@@ -50,95 +45,6 @@ DURATION_RE = re.compile(r"^[1-9][0-9]{0,5}[smhdw]$")
 PATH_RE = re.compile(r"^/[A-Za-z0-9_./-]*$")
 LOOPBACK = ("127.0.0.1", "[::1]", "localhost")
 NAME_FIX = "must be a name of letters, digits, '.', '_' or '-'"
-
-
-@dataclass(frozen=True)
-class ScrapeNode:
-    """One node's vLLM, scraped through its ingress."""
-
-    name: str
-    """The `node` label on every series of this node."""
-    metrics_url: str
-    """The ingress's /metrics over https, e.g. https://10.0.0.5:443/metrics."""
-    ca_pem: str = ""
-    """CA the ingress certificate chains to ("" = the system CAs, e.g. an ACME certificate)."""
-    server_name: str = ""
-    """Name to verify in the certificate when the URL's host is not in it."""
-    allow_cidrs: tuple[str, ...] = ("127.0.0.1/32", "::1/128")
-    """The ingress's metricsAllowCidrs: the scraper's address must be inside one of them."""
-
-
-@dataclass(frozen=True)
-class ExporterTarget:
-    """A node_exporter Prometheus scrapes: `host` label, host:port, and role (node or gateway: which down-alert)."""
-
-    host: str
-    address: str = "127.0.0.1:9100"
-    role: str = "node"
-
-
-@dataclass(frozen=True)
-class ExporterArgs:
-    """node_exporter and the deep-probe textfile export on one host."""
-
-    host: str
-    """The host's name (the `host` label)."""
-    listen: str = "127.0.0.1:9100"
-    """Where node_exporter listens. Anything but loopback must be firewalled to the Prometheus host."""
-    monitors: tuple[tuple[str, str], ...] = ()
-    """(node, engine unit) pairs whose deep-probe state is exported (files/monitor/recover.sh)."""
-    watched_units: tuple[str, ...] = ("nginx.service",)
-    """systemd units whose restarts node_exporter counts, besides the engine units."""
-    interval_s: int = 15
-    """How often the textfile export runs (at most the monitor's interval, so no restart is missed)."""
-    textfile_dir: str = TEXTFILE_DIR
-    run_dir: str = MONITOR_RUN_DIR
-    state_dir: str = HELPER_STATE
-
-
-@dataclass(frozen=True)
-class MonitoringArgs:
-    """Everything the Prometheus host needs; thresholds come from the stack's SLA and tier."""
-
-    nodes: tuple[ScrapeNode, ...]
-    exporters: tuple[ExporterTarget, ...]
-    ttft_p50_ms: float
-    ttft_p95_ms: float
-    ttft_p99_ms: float
-    """The SLA's TTFT limits; p99 is also the alert threshold."""
-    min_decode_tokens_per_s: float
-    """The SLA's per-request decode floor (0 = no decode alert)."""
-    decode_ceiling_tokens_per_s: float
-    """components/sizing.py's memory-bandwidth ceiling, drawn on the dashboard."""
-    max_steal_percent: float
-    """The tier's maxStealPercent: the steal alert's threshold."""
-    scraper_address: str = "127.0.0.1"
-    """The address the nodes' ingresses see Prometheus connect from."""
-    listen: str = "127.0.0.1:9090"
-    """Prometheus's address; loopback only."""
-    scrape_interval_s: int = 15
-    evaluation_interval_s: int = 15
-    rate_window: str = "5m"
-    """Window of every rate() in the recording rules."""
-    retention: str = "15d"
-    ttft_for: str = "10m"
-    """How long TTFT p99 (and decode speed) must miss the SLA before the alert fires."""
-    steal_for: str = "10m"
-    kv_cache_alert_ratio: float = 0.9
-    kv_cache_for: str = "5m"
-    down_for: str = "2m"
-    probe_interval_s: int = 15
-    """The monitor's interval: a probe older than 4 intervals + 60 s counts as stale."""
-    probe_failing_for: str = "2m"
-    restart_loop_count: int = 3
-    restart_loop_window: str = "30m"
-    alertmanager_webhook_url: str = ""
-    """Off when empty; else Debian's Alertmanager sends every alert to this webhook."""
-    alertmanager_listen: str = "127.0.0.1:9093"
-    repeat_interval: str = "4h"
-    config_dir: str = CONFIG_DIR
-    textfile_dir: str = TEXTFILE_DIR
-    stack: str = "fimfleet"  # the dashboard's title
 
 
 HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+)(?::([0-9]{1,5}))?$")
@@ -341,6 +247,7 @@ def sla_textfile(node: str, report: Mapping) -> str:
     def num(v) -> str:
         return "NaN" if v is None else repr(float(v))
 
+    report = report or {}  # none yet (a preview, or Pulumi mocks): nothing passed
     ttft = report.get("ttft_ms") or {}
     started = report.get("started_at")
     ts = datetime.fromisoformat(started).timestamp() if started else None
@@ -348,7 +255,7 @@ def sla_textfile(node: str, report: Mapping) -> str:
         "prometheus/sla-gate.prom.j2", node=node,
         ttft_s=[(n, num(None if ttft.get(f"p{n}") is None else ttft[f"p{n}"] / 1000)) for n, _ in QUANTILES],
         decode_tokens_per_s=num((report.get("decode_tokens_per_s") or {}).get("p50")),
-        passed=0 if report.get("violations") or report.get("passed") is False else 1,
+        passed=0 if not report or report.get("violations") or report.get("passed") is False else 1,
         ok=int(report.get("ok") or 0), errors=int(report.get("errors") or 0), timestamp=num(ts))
 
 
@@ -378,10 +285,7 @@ def steps(args: MonitoringArgs) -> list[dict]:
               alertmanager_config=f"{args.config_dir}/alertmanager.yml", alertmanager_listen=args.alertmanager_listen,
               default_staged=defaults[0]["staged"], config_dir=args.config_dir, rule_groups=len(RULE_GROUPS),
               port=_split_hostport(args.listen)[1], alertmanager_port=_split_hostport(args.alertmanager_listen)[1], **pkg)
-    check_script = templates.render("prometheus/server-check.sh.j2", **kw)
-    return [{"name": "prometheus", "label": "prometheus", "files": files,
-             "apply": templates.render("prometheus/server-apply.sh.j2", check=check_script, **kw),
-             "check": check_script, "destroy": templates.render("prometheus/server-destroy.sh.j2", **kw)}]
+    return _step("prometheus", "prometheus", "server", files, kw)
 
 
 def exporter_steps(e: ExporterArgs) -> list[dict]:
@@ -401,10 +305,15 @@ def exporter_steps(e: ExporterArgs) -> list[dict]:
         {"path": f"/etc/systemd/system/{HELPER_UNIT}.timer", "mode": "0644",
          "content": templates.render("prometheus/monitor-textfile.timer.j2", interval_s=e.interval_s)},
     ]
-    check_script = templates.render("prometheus/exporter-check.sh.j2", **kw)
-    return [{"name": "exporter", "label": "node_exporter", "files": files,
-             "apply": templates.render("prometheus/exporter-apply.sh.j2", check=check_script, **kw),
-             "check": check_script, "destroy": templates.render("prometheus/exporter-destroy.sh.j2", **kw)}]
+    return _step("exporter", "node_exporter", "exporter", files, kw)
+
+
+def _step(name: str, label: str, role: str, files: list[dict], kw: dict) -> list[dict]:
+    """files/prometheus/<role>-{apply,check,destroy}.sh.j2 as one step; apply ends with the check."""
+    check_script = templates.render(f"prometheus/{role}-check.sh.j2", **kw)
+    return [{"name": name, "label": label, "files": files, "check": check_script,
+             "apply": templates.render(f"prometheus/{role}-apply.sh.j2", check=check_script, **kw),
+             "destroy": templates.render(f"prometheus/{role}-destroy.sh.j2", **kw)}]
 
 
 def tunnel_command(connection: Mapping, listen: str) -> str:
@@ -437,8 +346,7 @@ class NodeExporter(pulumi.ComponentResource):
 
     def __init__(self, name: str, exporter: ExporterArgs, connection: pulumi.Input[dict],
                  opts: pulumi.ResourceOptions | None = None):
-        found = exporter_problems(exporter)
-        if found:
+        if found := exporter_problems(exporter):
             raise ConfigError(found)
         super().__init__("fimfleet:monitoring:NodeExporter", name, None, opts)
         self.steps = _remote_steps(self, name, exporter_steps(exporter), connection, [])
@@ -466,15 +374,16 @@ class Monitoring(pulumi.ComponentResource):
             paths = [f"{args.config_dir}/ca/{n}.pem" for n in ca_pems]
             files = specs[0]["files"]
             specs[0]["files"] = pulumi.Output.all(*ca_pems.values()).apply(
-                lambda pems: [{**f, "content": dict(zip(paths, pems)).get(f["path"], f["content"])} for f in files])
+                lambda pems, files=files: [{**f, "content": dict(zip(paths, pems)).get(f["path"], f["content"])}
+                                           for f in files])
         self.steps = exporters + _remote_steps(self, name, specs, conn, exporters)
         textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
         for node, report in (sla_reports or {}).items():
             path = f"{textfile_dir}/fimfleet_sla_{node}.prom"
-            files = pulumi.Output.from_input(report).apply(
+            textfile = pulumi.Output.from_input(report).apply(
                 lambda r, node=node, path=path: [{"path": path, "mode": "0644", "content": sla_textfile(node, r)}])
             self.steps.append(RemoteStep(
-                f"{name}-sla-{node}", label=f"SLA report textfile ({node})", connection=conn, files=files,
+                f"{name}-sla-{node}", label=f"SLA report textfile ({node})", connection=conn, files=textfile,
                 apply=templates.render("prometheus/sla-gate-apply.sh.j2", node=node, path=path),
                 destroy=templates.render("prometheus/sla-gate-destroy.sh.j2", path=path),
                 opts=pulumi.ResourceOptions(parent=self, depends_on=exporters)))

@@ -1,15 +1,17 @@
 """InferenceNode: one host from bare to serving, in dependency order.
 
 host (preflight, packages) -> kernel tuning -> vLLM runtime -> nginx ingress -> monitor
--> FIM SLA check. The SLA check's trigger hashes everything deployed before it, so any
+-> FIM SLA check -> Prometheus and node_exporter. The SLA check's trigger hashes everything deployed before it, so any
 change upstream measures again and an unchanged stack does not.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pulumi
 
-from components import editors, keys, templates
+from components import editors, keys, monitoring, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
@@ -59,6 +61,16 @@ class InferenceNode(pulumi.ComponentResource):
                 f"{name}-sla", endpoint=self.ingress.probe_endpoint, api_key=probe_key, ca_pem=self.ingress.ca_pem,
                 model=model, thresholds=sla_thresholds(cfg), samples=s.samples, warmup=s.warmup,
                 concurrency=s.concurrency, max_tokens=s.max_tokens, trigger=trigger, opts=child(self.monitor))
+        # Prometheus on the node, after the gate so it never loads the host while the SLA is measured.
+        self.monitoring = None
+        if cfg.monitoring.enabled:
+            self.monitoring = monitoring.Monitoring(
+                f"{name}-monitoring", dataclasses.replace(monitoring.args_for(cfg, name), stack=pulumi.get_stack()),
+                conn, exporter=monitoring.ExporterArgs(name, monitors=((name, self.runtime.unit),),
+                                                       interval_s=cfg.monitor.interval_s),
+                sla_reports={name: self.sla.report} if self.sla else None,
+                ca_pems={name: self.ingress.ca_pem} if cfg.ingress.tls != "acme" else None,
+                opts=child(self.sla or self.monitor))
         self.model = model
         ed = editors.args_for(cfg)
         # One set of editor outputs per user key, each holding only that user's key.

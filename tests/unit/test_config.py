@@ -100,6 +100,13 @@ BAD = [
     ({"sla": {"concurrency": 40}}, "sla.concurrency", "maxConnsPerAddress"),
     ({"engine": {"extraArgs": ["--disable-log-stats"]}}, "engine.extraArgs", "busy engine from a hung"),
     ({"tier": "cpu-epyc-avx2-7b-int8", "model": {"quantization": "gptq-int4"}}, "model.quantization", "no INT4"),
+    # The node's Prometheus (components/monitoring.py holds these rules; config applies them).
+    ({"monitoring": {"retention": "15 days"}}, "monitoring.retention", "duration"),
+    ({"monitoring": {"scrapeIntervalS": 0}}, "monitoring.scrapeIntervalS", "whole number"),
+    ({"monitoring": {"scrapeIntervalS": "15"}}, "monitoring.scrapeIntervalS", "whole number"),
+    ({"monitoring": {"alertmanagerWebhookUrl": "hooks.example.com/x"}}, "monitoring.alertmanagerWebhookUrl", "http"),
+    ({"monitoring": {"enabled": "yes"}}, "monitoring.enabled", "true or false"),
+    ({"monitoring": {"port": 9090}}, "monitoring.port", "unknown key"),
     # Misleading messages before.
     ({"engine": {"extraArgs": ["--device", "cpu"]}}, "engine.extraArgs", "removed"),
     ({"engine": {"extraArgs": ["--swap-space=4"]}}, "engine.extraArgs", "removed"),
@@ -123,6 +130,8 @@ STRING_KEYS = [
     ({"kernel": {"sysctl": {"vm.swappiness": None}}}, "kernel.sysctl.vm.swappiness"),
     ({"engine": {"env": {"FOO": None}}}, "engine.env.FOO"),
     ({"engine": {"extraArgs": ["--max-num-seqs", None]}}, "engine.extraArgs"),
+    ({"monitoring": {"alertmanagerWebhookUrl": None}}, "monitoring.alertmanagerWebhookUrl"),
+    ({"monitoring": {"retention": None}}, "monitoring.retention"),
 ]
 
 
@@ -171,6 +180,17 @@ def test_valid_cidrs_and_sysctl_overrides_pass():
     cfg = parse(ingress={"metricsAllowCidrs": ["10.0.0.0/8", "2001:db8::/32"]},
                 kernel={"sysctl": {"vm.swappiness": 10, "net.ipv4.tcp_rmem": "4096 87380 33554432"}})
     assert cfg.kernel.sysctl["vm.swappiness"] == 10
+
+
+def test_the_nodes_own_prometheus_may_read_metrics_on_loopback_only_when_it_runs():
+    from components import ingress, monitoring
+
+    on = parse(ingress={"metricsAllowCidrs": ["10.0.0.0/8"]})
+    spec = ingress.spec_for(on, "code.example.com", "/c", "/k")
+    assert spec.metrics_allow_cidrs == ("10.0.0.0/8", "127.0.0.1/32", "::1/128")
+    assert monitoring.args_for(on, "node").nodes[0].metrics_url == "https://127.0.0.1/metrics"
+    off = parse(ingress={"metricsAllowCidrs": ["10.0.0.0/8"]}, monitoring={"enabled": False})
+    assert ingress.spec_for(off, "code.example.com", "/c", "/k").metrics_allow_cidrs == ("10.0.0.0/8",)
 
 
 def test_unknown_namespace_in_the_stack_file_is_an_error():

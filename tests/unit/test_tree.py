@@ -144,7 +144,10 @@ def _changed(a, b):
 def test_changed_value_changes_only_its_resources():
     base = _inputs_for()
     assert _changed(base, _inputs_for(kernel={"sysctl": {"vm.swappiness": "5"}})) == ["node-kernel-apply", "node-sla"]
-    assert _changed(base, _inputs_for(monitor={"intervalS": 30})) == ["node-monitor-timer"]
+    # the probe's interval also sets the textfile export's and the stale-probe alert's
+    assert _changed(base, _inputs_for(monitor={"intervalS": 30})) == [
+        "node-monitor-timer", "node-monitoring-exporter", "node-monitoring-prometheus"]
+    assert _changed(base, _inputs_for(monitoring={"retention": "30d"})) == ["node-monitoring-prometheus"]
     assert _changed(base, _inputs_for(engine={"maxNumSeqs": 8})) == ["node-runtime-service", "node-sla"]
     assert _changed(base, _inputs_for(ingress={"ratePerSecond": 5})) == [
         "node-ingress-nginx", "node-sla"]

@@ -3,7 +3,8 @@
 # installed natively in the chroot from the wheelhouse (inside the emulated VM the same
 # install takes about 17 minutes). The venv carries the stamp that the runtime's install
 # step looks for, so `pulumi up` finds it and skips, as on a re-run. Everything else
-# (nginx, jemalloc, libnuma...) is left to fimfleet, as on a fresh VPS.
+# (nginx, jemalloc, libnuma...) is left to fimfleet, as on a fresh VPS; Prometheus and
+# node_exporter are pre-installed but not running (the e2e would otherwise spend minutes on apt).
 # Env: FIMFLEET_WHEELHOUSE (toolchain/vllm/install.sh wheelhouse), FIMFLEET_VLLM_LOCK.
 set -euo pipefail
 : "${FIMFLEET_WHEELHOUSE:?set FIMFLEET_WHEELHOUSE (toolchain/vllm/install.sh wheelhouse prints it)}"
@@ -24,6 +25,12 @@ case "${1:-}" in
       --no-warn-script-location --find-links /mnt/wheelhouse -r /tmp/requirements.lock
     # The same stamp files/runtime/install-venv.sh.j2 computes from the uploaded lock.
     sha256sum "$R/tmp/requirements.lock" | cut -c1-16 > "$R$VENV/.fimfleet-lock"
-    rm -f "$R/tmp/requirements.lock" ;;
+    rm -f "$R/tmp/requirements.lock"
+    # Debian's Prometheus and node_exporter, which the Monitoring steps would otherwise fetch
+    # through the VM's slow user-mode network and unpack under emulation. Installed, not running:
+    # fimfleet's steps write their settings and start them, as on a VPS that had them already.
+    DEBIAN_FRONTEND=noninteractive chroot "$R" apt-get install -y -q --no-install-recommends \
+      prometheus prometheus-node-exporter >/dev/null
+    chroot "$R" systemctl disable -q prometheus prometheus-node-exporter ;;
   *) echo "usage: $0 key | apply ROOTFS" >&2; exit 2 ;;
 esac
