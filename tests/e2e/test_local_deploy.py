@@ -1,9 +1,10 @@
 """End to end: the real Pulumi CLI deploys the `local` stack onto a fresh test VM.
 
 One VM and one stack for the module, steps in order (each names what failed and where):
-up → live kernel values → ingress keys/streaming/ACLs → monitor → no-op second up →
+up → live kernel values → ingress keys/streaming/ACLs → monitor → Prometheus → no-op second up →
 drift repaired by `up --refresh` → impossible SLA fails and the node keeps serving →
-a changed host key is refused → a killed `up` leaves a lock the demo clears → destroy restores
+a changed host key is refused → a killed `up` leaves a lock the demo clears → a certificate
+near its end is reissued → destroy restores
 the defaults. A replaced host (new identity: every step applied again) is covered against a
 real sshd in tests/integration/test_remote_ssh.py, destroy on an unreachable host in
 tests/unit/test_providers.py; a second full engine start here would cost about 10 minutes of CI.
@@ -11,8 +12,10 @@ tests/unit/test_providers.py; a second full engine start here would cost about 1
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -77,6 +80,15 @@ def client(node) -> httpx.Client:
     ca = node.tmp / "ca.pem"
     ca.write_text(out["caPem"])
     return httpx.Client(base_url=out["endpoint"], verify=str(ca), timeout=120)
+
+
+def one_completion(node) -> None:
+    """A two-token FIM completion through the ingress, TLS verified against the caPem output."""
+    with client(node) as c:
+        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {next(iter(keys(node).values()))}"},
+                   json={"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>",
+                         "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
 
 def test_01_up_succeeds_with_an_sla_report(node):
@@ -180,6 +192,34 @@ def test_04_monitor_timer_active_and_last_probe_ok(node):
         time.sleep(10)
 
 
+def test_04b_prometheus_scrapes_the_node_and_records_its_ttft(node):
+    """Prometheus on the VM (loopback only): every target up, and the TTFT recording rule has a
+    value from the deep probe's traffic; the tunnel output names the VM's forwarded SSH port."""
+    out = node.outputs()
+    info = json.loads((node.state / "info.json").read_text())
+    assert out["prometheusTunnel"].startswith(f"ssh -N -L 9090:127.0.0.1:9090 -p {info['ssh']['port']} "), out
+    assert json.loads(out["grafanaDashboard"])["panels"]
+    api = "http://127.0.0.1:9090/api/v1"
+    deadline, last = time.monotonic() + 240, ""
+    while True:
+        code, last, _ = node.ssh(
+            f"curl -fsS {api}/targets; echo; "
+            f"curl -fsS --data-urlencode 'query=fimfleet:ttft_seconds:p99{{node=\"node\"}}' {api}/query")
+        if code == 0:
+            targets_json, query_json = last.strip().split("\n", 1)
+            health = {t["labels"]["job"]: t["health"] for t in json.loads(targets_json)["data"]["activeTargets"]}
+            result = json.loads(query_json)["data"]["result"]
+            value = float(result[0]["value"][1]) if result else float("nan")
+            if health == {"vllm": "up", "node": "up", "prometheus": "up"} and value == value:  # not NaN
+                break
+        assert time.monotonic() < deadline, f"Prometheus targets or the TTFT rule not ready on the VM: {last[-3000:]}"
+        time.sleep(10)
+    assert 0 < value < 60, f"recorded TTFT p99 {value} s"
+    code, listening, _ = node.ssh("ss -Htln | awk '{print $4}'")
+    assert code == 0 and {"127.0.0.1:9090", "127.0.0.1:9100"} <= set(listening.split()), listening
+    assert not re.search(r"(^|\s)(0\.0\.0\.0|\*|\[::\]):(9090|9100)\b", listening), listening
+
+
 def _ssh_logins(node) -> int:
     _, out, _ = node.ssh("journalctl -u ssh --no-pager -o cat | grep -c 'Accepted publickey' || true")
     return int(out.strip() or 0)
@@ -213,12 +253,7 @@ def test_07_impossible_sla_fails_up_and_node_keeps_serving(node):
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, "an impossible SLA did not fail pulumi up"
     assert "ttft" in text.lower() and "0.001" in text, text[-5000:]
-    with client(node) as c:
-        key = next(iter(keys(node).values()))
-        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                   json={"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>",
-                         "max_tokens": 2})
-        assert r.status_code == 200, r.text
+    one_completion(node)
     for k in ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms"):
         node.pulumi("config", "rm", "--path", f"fimfleet:sla.{k}", check=True)
 
@@ -256,6 +291,37 @@ def test_07c_a_killed_up_leaves_a_lock_that_the_demo_clears(node):
     node.pulumi("config", "rm", "--path", "fimfleet:monitor.intervalS", check=True)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert node.pulumi("up", "--yes", "--skip-preview").returncode == 0
+
+
+def _served_not_after(node) -> "dt.datetime":
+    from cryptography import x509
+
+    host, port = node.outputs()["endpoint"].removeprefix("https://").rsplit(":", 1)
+    return x509.load_pem_x509_certificate(ssl.get_server_certificate((host, int(port))).encode()).not_valid_after_utc
+
+
+def test_07d_a_certificate_near_its_end_is_reissued_by_up(node):
+    """A short validity (29 days, under the 30-day renewal window) makes the certificate
+    reissue as soon as it outlives the setting, and every later preview plans it again."""
+    first = _served_not_after(node)
+    node.pulumi("config", "set", "--path", "fimfleet:ingress.certValidityDays", "29", check=True)
+    try:
+        proc = node.pulumi("up", "--yes", "--skip-preview")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        assert re.search(r"node-ingress-cert +replaced", proc.stdout), proc.stdout[-4000:]
+        short = _served_not_after(node)
+        left = short - dt.datetime.now(dt.timezone.utc)
+        assert short < first and dt.timedelta(days=28) < left <= dt.timedelta(days=29), (first, short)
+        preview = node.pulumi("preview", "--json")
+        assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
+        ops = {st["urn"].rsplit("::", 1)[-1]: st["op"] for st in json.loads(preview.stdout).get("steps", [])}
+        assert ops.get("node-ingress-cert") == "replace", ops  # 29 days left: under the renewal window
+    finally:
+        node.pulumi("config", "rm", "--path", "fimfleet:ingress.certValidityDays", check=True)
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert _served_not_after(node) - dt.datetime.now(dt.timezone.utc) > dt.timedelta(days=360)
+    one_completion(node)  # verified against caPem: every editor config follows the new certificate
 
 
 def test_08_destroy_removes_what_fimfleet_installed(node):
