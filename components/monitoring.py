@@ -100,7 +100,8 @@ def problems(args: MonitoringArgs) -> list[Problem]:
         (("kv_cache_alert_ratio",), _number(0, 1), "must be a number from 0 to 1"),
         (("rate_window", "retention", "ttft_for", "steal_for", "kv_cache_for", "down_for", "probe_failing_for",
           "restart_loop_window", "repeat_interval"), DURATION_RE.match, "must be a duration like 30s, 5m or 2h"),
-        (("scrape_interval_s", "evaluation_interval_s", "probe_interval_s", "restart_loop_count"), _number(1, 3600, whole=True),
+        (("scrape_interval_s", "evaluation_interval_s", "probe_interval_s", "restart_loop_count", "cert_alert_days"),
+         _number(1, 3600, whole=True),
          "must be a whole number from 1 to 3600"),
         (("alertmanager_webhook_url",), lambda v: not v or re.match(r"^https?://[^\s\"'\\]+$", v),
          "must be an http(s) URL, or empty to leave Alertmanager off"),
@@ -114,6 +115,8 @@ def exporter_problems(e: ExporterArgs) -> list[Problem]:
         (("interval_s",), _number(1, 3600, whole=True), "must be a whole number from 1 to 3600")))
     out += [Problem("monitoring.exporter.monitors", [node, unit], "must be a node name and its engine's .service unit")
             for node, unit in e.monitors if not (NAME_RE.match(str(node)) and UNIT_RE.match(str(unit)))]
+    out += [Problem("monitoring.exporter.certificates", [node, path], "must be a node name and an absolute path")
+            for node, path in e.certificates if not (NAME_RE.match(str(node)) and PATH_RE.match(str(path)))]
     return out + [Problem("monitoring.exporter.watchedUnits", u, "must be a systemd .service unit")
                   for u in e.watched_units if not UNIT_RE.match(str(u))]
 
@@ -211,7 +214,8 @@ def rule_values(args: MonitoringArgs) -> dict:
         max_steal_percent=args.max_steal_percent, steal_for=args.steal_for,
         kv_cache_alert_ratio=args.kv_cache_alert_ratio, kv_cache_for=args.kv_cache_for, down_for=args.down_for,
         probe_failing_for=args.probe_failing_for, probe_stale_s=4 * args.probe_interval_s + 60,
-        restart_loop_count=args.restart_loop_count, restart_loop_window=args.restart_loop_window)
+        restart_loop_count=args.restart_loop_count, restart_loop_window=args.restart_loop_window,
+        cert_alert_days=args.cert_alert_days)
 
 
 def prometheus_files(args: MonitoringArgs) -> dict[str, str]:
@@ -291,10 +295,11 @@ def steps(args: MonitoringArgs) -> list[dict]:
 def exporter_steps(e: ExporterArgs) -> list[dict]:
     """One host's node_exporter and its deep-probe textfile export."""
     d = _defaults("prometheus-node-exporter", node_exporter_args(e))
-    staged, pkg = _packages("exporter", ["prometheus-node-exporter", "dbus"], [d])
+    staged, pkg = _packages("exporter", ["prometheus-node-exporter", "dbus", "openssl"], [d])
     kw = dict(textfile_dir=e.textfile_dir, script=HELPER, env_file=HELPER_ENV, state_dir=e.state_dir,
               timer=f"{HELPER_UNIT}.timer", service=f"{HELPER_UNIT}.service", listen=e.listen,
-              monitors=[f"{node}={unit}" for node, unit in e.monitors], default_staged=d["staged"],
+              monitors=[f"{node}={unit}" for node, unit in e.monitors],
+              certificates=[f"{node}={path}" for node, path in e.certificates], default_staged=d["staged"],
               port=_split_hostport(e.listen)[1], **pkg)
     files = staged + [
         {"path": HELPER, "mode": "0755", "content": (templates.FILES / "prometheus/monitor-textfile.sh").read_text()},

@@ -51,6 +51,8 @@ class ExporterArgs:
     """Where node_exporter listens. Anything but loopback must be firewalled to the Prometheus host."""
     monitors: tuple[tuple[str, str], ...] = ()
     """(node, engine unit) pairs whose deep-probe state is exported (files/monitor/recover.sh)."""
+    certificates: tuple[tuple[str, str], ...] = ()
+    """(node, certificate file) pairs whose notAfter is exported, for the expiry alert."""
     watched_units: tuple[str, ...] = ("nginx.service",)
     """systemd units whose restarts node_exporter counts, besides the engine units."""
     interval_s: int = 15
@@ -90,6 +92,9 @@ class MonitoringArgs:
     steal_for: str = "10m"
     kv_cache_alert_ratio: float = 0.9
     kv_cache_for: str = "5m"
+    cert_alert_days: int = 14
+    """Alert when a certificate has fewer days left: `pulumi up` reissues a self-signed one, and
+    certbot renews an ACME one, at 30 days, so one under 14 has missed both."""
     down_for: str = "2m"
     probe_interval_s: int = 15
     """The monitor's interval: a probe older than 4 intervals + 60 s counts as stale."""

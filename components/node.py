@@ -15,7 +15,7 @@ from components import editors, keys, monitoring, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
-from components.ingress import NginxIngress
+from components.ingress import NginxIngress, tls_paths
 from components.kernel import KernelTuning
 from components.monitor import Monitor
 from components.runtime import VllmRuntime
@@ -67,6 +67,7 @@ class InferenceNode(pulumi.ComponentResource):
             self.monitoring = monitoring.Monitoring(
                 f"{name}-monitoring", dataclasses.replace(monitoring.args_for(cfg, name), stack=pulumi.get_stack()),
                 conn, exporter=monitoring.ExporterArgs(name, monitors=((name, self.runtime.unit),),
+                                                       certificates=((name, tls_paths(cfg)[0]),),
                                                        interval_s=cfg.monitor.interval_s),
                 sla_reports={name: self.sla.report} if self.sla else None,
                 ca_pems={name: self.ingress.ca_pem} if cfg.ingress.tls != "acme" else None,

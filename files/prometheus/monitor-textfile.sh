@@ -8,7 +8,8 @@
 #   restarted-at  epoch of its last restart, removed once a probe passes again
 # This script only reads them. Because restarted-at disappears, it counts each new value
 # itself (STATE_DIR), so restarts survive as a counter.
-# Usage: monitor-textfile.sh ENV_FILE   (TEXTFILE_DIR, STATE_DIR, RUN_DIR, MONITORS="node=unit ...")
+# Usage: monitor-textfile.sh ENV_FILE   (TEXTFILE_DIR, STATE_DIR, RUN_DIR, MONITORS="node=unit ...",
+#                                        CERTIFICATES="node=certificate file ...")
 # Output: $TEXTFILE_DIR/fimfleet_monitor.prom, replaced atomically.
 set -euo pipefail
 # shellcheck disable=SC1090
@@ -37,6 +38,7 @@ metric fimfleet_monitor_recovery_stage gauge "0 = the next recovery restarts the
 metric fimfleet_monitor_restarts_total counter "Engine restarts done by the recovery manager, counted by this exporter."
 metric fimfleet_monitor_last_restart_timestamp_seconds gauge "When the recovery manager last restarted the engine (0 = never)."
 metric fimfleet_thp_mode gauge "Transparent huge page setting in force (1 for the active mode)."
+metric fimfleet_tls_certificate_not_after_seconds gauge "When the ingress's TLS certificate expires (absent: unreadable)."
 
 for pair in $MONITORS; do
   node=${pair%%=*} unit=${pair#*=}
@@ -62,6 +64,13 @@ for pair in $MONITORS; do
   fi
   sample fimfleet_monitor_restarts_total "$labels" "$count"
   sample fimfleet_monitor_last_restart_timestamp_seconds "$labels" "$(number "$mine.last-restart" 0)"
+done
+
+for pair in ${CERTIFICATES:-}; do
+  node=${pair%%=*} path=${pair#*=}
+  end=$(openssl x509 -enddate -noout -in "$path" 2>/dev/null | sed -n 's/^notAfter=//p') || true
+  epoch=$(date -u -d "$end" +%s 2>/dev/null) || epoch=""
+  [[ -n $end && $epoch =~ ^[0-9]+$ ]] && sample fimfleet_tls_certificate_not_after_seconds "node=\"$node\",path=\"$path\"" "$epoch"
 done
 
 for setting in enabled defrag; do

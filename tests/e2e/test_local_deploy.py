@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import shlex
 import ssl
 import subprocess
 import time
@@ -89,6 +90,14 @@ def one_completion(node) -> None:
                    json={"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>",
                          "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def _served_not_after(node) -> dt.datetime:
+    """notAfter of the certificate the ingress serves now."""
+    from cryptography import x509
+
+    host, port = node.outputs()["endpoint"].removeprefix("https://").rsplit(":", 1)
+    return x509.load_pem_x509_certificate(ssl.get_server_certificate((host, int(port))).encode()).not_valid_after_utc
 
 
 def test_01_up_succeeds_with_an_sla_report(node):
@@ -192,29 +201,37 @@ def test_04_monitor_timer_active_and_last_probe_ok(node):
         time.sleep(10)
 
 
+PROMETHEUS_API = "http://127.0.0.1:9090/api/v1"
+
+
+def prometheus(node, path: str, query: str = "") -> dict:
+    """One call to Prometheus's HTTP API on the VM (it listens on the VM's loopback only)."""
+    data = f" --data-urlencode {shlex.quote('query=' + query)}" if query else ""
+    code, out, err = node.ssh(f"curl -fsS{data} {PROMETHEUS_API}/{path}")
+    return json.loads(out)["data"] if code == 0 else {"error": err or out}
+
+
 def test_04b_prometheus_scrapes_the_node_and_records_its_ttft(node):
-    """Prometheus on the VM (loopback only): every target up, and the TTFT recording rule has a
-    value from the deep probe's traffic; the tunnel output names the VM's forwarded SSH port."""
+    """Prometheus on the VM (loopback only): every target up, the TTFT recording rule has a
+    value from the deep probe's traffic, the certificate's expiry is exported, and the tunnel
+    output names the VM's forwarded SSH port."""
     out = node.outputs()
     info = json.loads((node.state / "info.json").read_text())
     assert out["prometheusTunnel"].startswith(f"ssh -N -L 9090:127.0.0.1:9090 -p {info['ssh']['port']} "), out
     assert json.loads(out["grafanaDashboard"])["panels"]
-    api = "http://127.0.0.1:9090/api/v1"
-    deadline, last = time.monotonic() + 240, ""
+    deadline = time.monotonic() + 240
     while True:
-        code, last, _ = node.ssh(
-            f"curl -fsS {api}/targets; echo; "
-            f"curl -fsS --data-urlencode 'query=fimfleet:ttft_seconds:p99{{node=\"node\"}}' {api}/query")
-        if code == 0:
-            targets_json, query_json = last.strip().split("\n", 1)
-            health = {t["labels"]["job"]: t["health"] for t in json.loads(targets_json)["data"]["activeTargets"]}
-            result = json.loads(query_json)["data"]["result"]
-            value = float(result[0]["value"][1]) if result else float("nan")
-            if health == {"vllm": "up", "node": "up", "prometheus": "up"} and value == value:  # not NaN
-                break
-        assert time.monotonic() < deadline, f"Prometheus targets or the TTFT rule not ready on the VM: {last[-3000:]}"
+        targets = prometheus(node, "targets")
+        health = {t["labels"]["job"]: t["health"] for t in targets.get("activeTargets", [])}
+        ttft = prometheus(node, "query", 'fimfleet:ttft_seconds:p99{node="node"}').get("result")
+        cert = prometheus(node, "query", 'fimfleet_tls_certificate_not_after_seconds{node="node"}').get("result")
+        value = float(ttft[0]["value"][1]) if ttft else float("nan")
+        if health == {"vllm": "up", "node": "up", "prometheus": "up"} and value == value and cert:  # not NaN
+            break
+        assert time.monotonic() < deadline, f"Prometheus on the VM not ready: {targets} {ttft} {cert}"
         time.sleep(10)
     assert 0 < value < 60, f"recorded TTFT p99 {value} s"
+    assert abs(float(cert[0]["value"][1]) - _served_not_after(node).timestamp()) < 2, cert
     code, listening, _ = node.ssh("ss -Htln | awk '{print $4}'")
     assert code == 0 and {"127.0.0.1:9090", "127.0.0.1:9100"} <= set(listening.split()), listening
     assert not re.search(r"(^|\s)(0\.0\.0\.0|\*|\[::\]):(9090|9100)\b", listening), listening
@@ -291,13 +308,6 @@ def test_07c_a_killed_up_leaves_a_lock_that_the_demo_clears(node):
     node.pulumi("config", "rm", "--path", "fimfleet:monitor.intervalS", check=True)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert node.pulumi("up", "--yes", "--skip-preview").returncode == 0
-
-
-def _served_not_after(node) -> "dt.datetime":
-    from cryptography import x509
-
-    host, port = node.outputs()["endpoint"].removeprefix("https://").rsplit(":", 1)
-    return x509.load_pem_x509_certificate(ssl.get_server_certificate((host, int(port))).encode()).not_valid_after_utc
 
 
 def test_07d_a_certificate_near_its_end_is_reissued_by_up(node):

@@ -96,6 +96,8 @@ def test_sla_reports_must_belong_to_scraped_nodes():
     (m.ExporterArgs("h", listen="9100"), "monitoring.exporter.listen"),
     (m.ExporterArgs("h h"), "monitoring.exporter.host"),
     (m.ExporterArgs("h", state_dir="rel"), "monitoring.exporter.stateDir"),
+    (m.ExporterArgs("h", certificates=(("a", "etc/tls/server.pem"),)), "monitoring.exporter.certificates"),
+    (m.ExporterArgs("h", certificates=(("a", "/etc/tls/x.pem; reboot"),)), "monitoring.exporter.certificates"),
 ])
 def test_bad_exporter_value_names_its_key(exporter, key):
     assert key in [p.key for p in m.exporter_problems(exporter)]
@@ -190,7 +192,7 @@ def parse(text: str) -> dict[str, float]:
 class Helper:
     """monitor-textfile.sh against a fake /run/fimfleet and THP directory."""
 
-    def __init__(self, root: Path, monitors: str = "a=vllm-a.service"):
+    def __init__(self, root: Path, monitors: str = "a=vllm-a.service", certificates: tuple[str, ...] = ()):
         self.run_dir, self.out = root / "run", root / "textfile"
         self.state = self.run_dir / "monitor-vllm-a"
         self.state.mkdir(parents=True)
@@ -200,7 +202,8 @@ class Helper:
         self.env = root / "env"
         self.env.write_text(templates.render("prometheus/monitor-textfile.env.j2", textfile_dir=str(self.out),
                                              state_dir=str(root / "state"), run_dir=str(self.run_dir),
-                                             monitors=monitors.split()) + f"THP_DIR={root / 'thp'}\n")
+                                             monitors=monitors.split(), certificates=list(certificates))
+                            + f"THP_DIR={root / 'thp'}\n")
 
     def write(self, **files):
         for name, value in files.items():
@@ -254,6 +257,22 @@ def test_helper_counts_each_restart_once_even_after_the_monitor_forgets_it(tmp_p
     assert got[f"fimfleet_monitor_last_restart_timestamp_seconds{L}"] == 1700000100
     h.write(restarted_at=1700000500)
     assert h()[f"fimfleet_monitor_restarts_total{L}"] == 2
+
+
+def test_helper_exports_when_each_certificate_expires(tmp_path):
+    from datetime import datetime
+
+    from components import tls
+
+    issued = tls.issue("code.example.com", ["code.example.com"], [], days=20)
+    cert = tmp_path / "server.pem"
+    cert.write_text(issued["certPem"])
+    garbled = tmp_path / "garbled.pem"
+    garbled.write_text("-----BEGIN CERTIFICATE-----\nnot one\n")
+    got = Helper(tmp_path, certificates=(f"a={cert}", f"b={garbled}", f"c={tmp_path / 'missing.pem'}"))()
+    assert got[f'fimfleet_tls_certificate_not_after_seconds{{node="a",path="{cert}"}}'] == \
+        int(datetime.fromisoformat(issued["notAfter"]).timestamp())
+    assert [k for k in got if k.startswith("fimfleet_tls_")] == [f'fimfleet_tls_certificate_not_after_seconds{{node="a",path="{cert}"}}']
 
 
 def test_helper_survives_a_missing_or_garbled_state(tmp_path):

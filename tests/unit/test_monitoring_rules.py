@@ -115,6 +115,8 @@ BUSY = 'fimfleet_monitor_probe_busy{job="node",host="a",node="a",unit="vllm-a.se
 PROBE_TS = 'fimfleet_monitor_last_probe_timestamp_seconds{job="node",host="a",node="a",unit="vllm-a.service"}'
 RESTARTS = 'fimfleet_monitor_restarts_total{job="node",host="a",node="a",unit="vllm-a.service"}'
 KV = 'vllm:kv_cache_usage_perc{job="vllm",node="a",engine="0"}'
+CERT = 'fimfleet_tls_certificate_not_after_seconds{job="node",host="a",node="a",path="/etc/fimfleet/tls/server.pem"}'
+DAY = 86400
 
 # name: (alert, MonitoringArgs overrides, input series, [(eval time, firing?)])
 SCENARIOS = {
@@ -146,6 +148,12 @@ SCENARIOS = {
                            [("3m", True)]),
     "node-up": ("FimfleetNodeDown", {}, {'up{job="vllm",role="vllm",node="a",instance="127.0.0.1:8443"}': "1x20"},
                 [("10m", False)]),
+    # time() starts at 0 in promtool: a notAfter of 13.9 days is 13.9 days away
+    "certificate-expiring": ("FimfleetCertificateExpiring", {}, {CERT: f"{int(13.9 * DAY)}x200"},
+                             [("59m", False), ("2h", True)]),
+    "certificate-fresh": ("FimfleetCertificateExpiring", {}, {CERT: f"{int(14.5 * DAY)}x200"}, [("3h", False)]),
+    "certificate-window-follows-the-setting": ("FimfleetCertificateExpiring", {"cert_alert_days": 30},
+                                               {CERT: f"{int(29 * DAY)}x200"}, [("2h", True)]),
     "gateway-down": ("FimfleetGatewayDown", {}, {'up{job="node",role="gateway",host="gw",instance="10.0.0.9:9100"}': "0x20"},
                      [("1m", False), ("3m", True)]),
 }
