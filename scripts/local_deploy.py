@@ -165,7 +165,10 @@ def main(argv=None) -> int:
     clear_stale_lock()
     before = previous_outputs().get("slaReport")
     say("pulumi up -s local (engine start under emulation takes several minutes)")
-    up(cfg)
+    if up(cfg, check=False).returncode != 0:
+        # Pulumi has printed what failed; a traceback of this script would only bury it.
+        raise SystemExit("fimfleet demo: pulumi up -s local failed (its output above says why). Fix it and "
+                         "rerun ./fimfleet demo: it converges on the same VM and state.")
     out = outputs(cfg, show_secrets=True)
     print(f"\nendpoint: {out['endpoint']}\nmodel:    {out['model']}\n")
     report = out.get("slaReport")
