@@ -30,6 +30,7 @@ benchmarks/results/monitor_recovery.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -403,6 +404,20 @@ def test_busy_engine_under_16_streams_is_never_restarted(node):
         summary[stack] = {"rounds": len(rounds), "busy": verdicts.count("busy"), "ok": verdicts.count("ok")}
     RESULTS["busy_load"] = {"streams": LOAD_STREAMS, "seconds": duration, "tokens_streamed": tokens, **summary}
     print(f"\nbusy load: {RESULTS['busy_load']}")
+
+
+def test_the_exercised_settings_bracket_every_stacks(tiny_model):
+    """Every stack's monitor settings differ from an exercised one at most in the probe timeout,
+    inside the exercised range; tests/unit/test_monitor.py holds each tier's bound to 60 s. So the
+    restart-within-the-bound and no-restart-when-busy proofs below stand for every stack."""
+    exercised = [tier_settings(s, tiny_model)[0] for s in SETTINGS_FROM]
+    lo, hi = min(e.probe_timeout_s for e in exercised), max(e.probe_timeout_s for e in exercised)
+    for path in sorted((REPO / "stacks").glob("Pulumi.*.yaml")):
+        stack = path.name.split(".")[1]
+        s = tier_settings(stack, tiny_model)[0]
+        assert lo <= s.probe_timeout_s <= hi and any(
+            dataclasses.replace(e, probe_timeout_s=s.probe_timeout_s) == s for e in exercised), (stack, s, exercised)
+        assert s.detection_bound_s <= monitor.DETECT_BUDGET_S, (stack, s)
 
 
 @pytest.mark.parametrize("stack", SETTINGS_FROM)
