@@ -9,6 +9,7 @@ toolchain/vllm/install.sh), so an unknown flag fails with vLLM's own message.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -117,8 +118,32 @@ def check_many_with_vllm(cases: list[tuple[list[str], dict[str, str]]], python: 
     return [{"ok": r["ok"], "error": "; ".join(r["errors"])} for r in results]
 
 
+def _accepted_marker(python: str, args, env: dict[str, str]) -> Path | None:
+    """Where a parse that vLLM accepted is remembered, keyed by the interpreter (its venv path
+    carries the pinned lock's hash), the checker, the arguments and the environment."""
+    cache = os.environ.get("FIMFLEET_CACHE")
+    if not cache:
+        return None
+    key = hashlib.sha256(json.dumps([os.path.realpath(python), CHECKER.read_text(), list(args), sorted(env.items())])
+                         .encode()).hexdigest()[:32]
+    return Path(cache) / "vllm-args" / f"{key}.ok"
+
+
 def check_with_vllm(args, env: dict[str, str], python: str | None = None) -> None:
-    """Raise VllmRejected with vLLM's own message when its parser refuses args or env."""
+    """Raise VllmRejected with vLLM's own message when its parser refuses args or env.
+
+    The parser is deterministic and importing vLLM takes seconds, so an accepted set is
+    remembered under FIMFLEET_CACHE and a repeated preview or up skips the import; a
+    refusal is never cached. check_many_with_vllm (the tests' path) always parses."""
+    python = python or vllm_python()
+    marker = _accepted_marker(python, args, env) if python else None
+    if marker is not None and marker.exists():
+        return
     result = check_many_with_vllm([(list(args), env)], python)[0]
     if not result["ok"]:
         raise VllmRejected(result["error"])
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text("accepted by vLLM's parser\n")
+        tmp.replace(marker)
