@@ -34,14 +34,6 @@ def rendered(tier, tmp_path):
     return engine.render(cfg, cfg.model.local_path if cfg.model.source == "local" else runtime.model_path(cfg))
 
 
-def test_every_tier_renders_arguments_vllm_accepts(vllm_python, tmp_path):
-    tiers = sorted(TIERS)
-    launches = [rendered(t, tmp_path) for t in tiers]
-    results = engine.check_many_with_vllm([(list(l.args), l.env) for l in launches], vllm_python)
-    bad = {t: r["error"] for t, r in zip(tiers, results) if not r["ok"]}
-    assert not bad, bad
-
-
 BASE = ["--model", "Qwen/Qwen2.5-Coder-7B", "--dtype", "bfloat16"]
 RUNBOOK_MISTAKES = {
     "--device openvino": (BASE + ["--device", "openvino"], {}, "--device"),
@@ -49,16 +41,32 @@ RUNBOOK_MISTAKES = {
     "--model-format auto": (BASE + ["--model-format", "auto"], {}, "--model-format"),
     "VLLM_OPENVINO_KVCACHE_SPACE": (BASE, {"VLLM_OPENVINO_KVCACHE_SPACE": "8"}, "VLLM_OPENVINO_KVCACHE_SPACE"),
 }
+CONTROL = "the same base without a mistake"
 
 
-def test_runbook_mistakes_are_rejected_by_vllm(vllm_python):
-    names = list(RUNBOOK_MISTAKES)
-    cases = [(RUNBOOK_MISTAKES[n][0], RUNBOOK_MISTAKES[n][1]) for n in names] + [(BASE, {"VLLM_CPU_KVCACHE_SPACE": "4"})]
-    results = engine.check_many_with_vllm(cases, vllm_python)
-    for name, result in zip(names, results):
-        assert not result["ok"], f"{name} was accepted"
-        assert RUNBOOK_MISTAKES[name][2] in result["error"], result["error"]
-    assert results[-1]["ok"], results[-1]  # the control: the same base is fine without the mistake
+@pytest.fixture(scope="module")
+def parsed(vllm_python, tmp_path_factory) -> dict[str, dict]:
+    """Every tier's rendered launch, the runbook mistakes and their control, parsed in ONE vLLM
+    interpreter (each import of vLLM takes seconds)."""
+    tmp = tmp_path_factory.mktemp("tiers")
+    cases = {f"tier {t}": (list(launch.args), launch.env) for t in sorted(TIERS) for launch in [rendered(t, tmp)]}
+    cases.update({name: (args, env) for name, (args, env, _) in RUNBOOK_MISTAKES.items()})
+    cases[CONTROL] = (BASE, {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    return dict(zip(cases, engine.check_many_with_vllm(list(cases.values()), vllm_python)))
+
+
+def test_every_tier_renders_arguments_vllm_accepts(parsed):
+    tiers = {name: r for name, r in parsed.items() if name.startswith("tier ")}
+    assert len(tiers) == len(TIERS)
+    bad = {t: r["error"] for t, r in tiers.items() if not r["ok"]}
+    assert not bad, bad
+
+
+def test_runbook_mistakes_are_rejected_by_vllm(parsed):
+    for name, (_, _, word) in RUNBOOK_MISTAKES.items():
+        assert not parsed[name]["ok"], f"{name} was accepted"
+        assert word in parsed[name]["error"], parsed[name]["error"]
+    assert parsed[CONTROL]["ok"], parsed[CONTROL]  # the control: the same base is fine without the mistake
 
 
 def test_check_with_vllm_raises_with_vllms_message(vllm_python):
