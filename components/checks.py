@@ -206,7 +206,7 @@ def check_memory(spec, model, engine, host, tier, problems):
     if engine.max_model_len > spec.max_context:
         problems.append(Problem("engine.maxModelLen", engine.max_model_len, f"{spec.name} supports at most {spec.max_context} tokens"))
         return None
-    kv_bytes = sizing.KV_BYTES["fp8" if engine.kv_cache_dtype == "fp8" else "bf16"]
+    kv_bytes = sizing.kv_dtype_bytes(engine.kv_cache_dtype, engine.dtype)
     if tier.device == "cpu":
         plan = sizing.plan_cpu(spec, quant, ram_bytes=host.memory_gib * models.GIB,
                                kv_cache_bytes=engine.kv_cache_gib * models.GIB, max_model_len=engine.max_model_len,

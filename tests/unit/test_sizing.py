@@ -1,5 +1,7 @@
 """Sizing arithmetic reproduces the worked examples exactly."""
 
+import dataclasses
+
 import pytest
 
 from components import models, sizing
@@ -67,3 +69,15 @@ def test_params_derived_from_hf_config_match_published_count():
     # Qwen2.5-7B's config vocab is padded to 152064; counted without biases it is within 0.5%.
     assert spec.params == pytest.approx(7_615_616_512, rel=0.005)
     assert sizing.kv_bytes_per_token(spec) == 57_344
+
+
+@pytest.mark.parametrize("kv_cache_dtype, dtype, tokens_per_gib", [
+    # vLLM 0.32's own "KV cache size" for the tiny model (2 layers, 1 KV head of 64) at 1 GiB,
+    # recorded by benchmarks/kv_sizing_vs_vllm.py: float32 keeps the cache in 4-byte elements
+    ("auto", "bfloat16", 2_097_152), ("auto", "float32", 1_048_576), ("auto", "auto", 2_097_152),
+    ("fp8", "float32", 4_194_304),
+])
+def test_kv_cache_takes_the_models_dtype_unless_fp8(kv_cache_dtype, dtype, tokens_per_gib):
+    tiny = dataclasses.replace(Q7, layers=2, kv_heads=1, head_dim=64)
+    per_token = sizing.kv_bytes_per_token(tiny, sizing.kv_dtype_bytes(kv_cache_dtype, dtype))
+    assert GIB // per_token == tokens_per_gib
