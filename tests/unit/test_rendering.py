@@ -172,3 +172,29 @@ def test_engine_start_reports_progress_with_the_engines_last_log_line(tmp_path):
     assert proc.returncode == 1 and "did not answer a completion within 3 s" in proc.stderr
     assert progress and "s elapsed" in progress[0] and "s left of 3" in progress[0], proc.stderr
     assert progress[0].endswith("engine: INFO Loading weights took 1.20 seconds"), progress
+
+
+# a reader that may stop before its writer is done: `grep -q`, `grep -m`, `head`
+EARLY_EXIT_READER = re.compile(r"\|\s*(grep\s+(-\w*[qm]\w*\b)|head\b)")
+
+
+def test_no_shell_template_pipes_into_a_reader_that_stops_early():
+    """Every remote script runs under `set -o pipefail` (components/remote.py): when the reader of
+    a pipe exits early, the writer dies of SIGPIPE or a write error (curl: exit 23) and the whole
+    pipeline fails at random with the writer's output size. This failed Prometheus's check on the
+    VM. Read into a variable first (`grep -q PATTERN <<<"$out"`)."""
+    from components import templates
+
+    offenders = []
+    for path in sorted(p for p in templates.FILES.rglob("*") if p.suffix in (".j2", ".sh") and p.is_file()):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0] if line.lstrip().startswith("#") else line
+            if EARLY_EXIT_READER.search(code):
+                offenders.append(f"{path.relative_to(templates.FILES)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_early_exit_rule_catches_the_pattern():
+    assert EARLY_EXIT_READER.search("curl -fsS http://x/metrics | grep -q '^up 1'")
+    assert EARLY_EXIT_READER.search("sed -n p f | head -n1")
+    assert not EARLY_EXIT_READER.search("grep -q '^up 1' <<<\"$metrics\"")
