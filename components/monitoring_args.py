@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from components.ingress_render import LOOPBACK_CIDRS, metrics_cidrs
+
 CONFIG_DIR = "/etc/prometheus/fimfleet"
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 """Debian's node_exporter reads *.prom files here by default."""
@@ -28,7 +30,7 @@ class ScrapeNode:
     """CA the ingress certificate chains to ("" = the system CAs, e.g. an ACME certificate)."""
     server_name: str = ""
     """Name to verify in the certificate when the URL's host is not in it."""
-    allow_cidrs: tuple[str, ...] = ("127.0.0.1/32", "::1/128")
+    allow_cidrs: tuple[str, ...] = LOOPBACK_CIDRS
     """The ingress's metricsAllowCidrs: the scraper's address must be inside one of them."""
 
 
@@ -114,7 +116,6 @@ def args_for(cfg, node: str) -> MonitoringArgs:
     """A single-node stack's Prometheus, on the node itself: it scrapes vLLM through the node's own
     ingress on loopback (a self-signed certificate names 127.0.0.1; others are checked for the domain)."""
     from components import models, sizing
-    from components.ingress_render import metrics_cidrs
 
     i, s, mon, h = cfg.ingress, cfg.sla, cfg.monitoring, cfg.host
     ceiling = (sizing.decode_ceiling_tokens_per_s(cfg.model_spec, models.QUANTIZATIONS[cfg.model.quantization],
