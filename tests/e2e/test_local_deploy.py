@@ -3,8 +3,7 @@
 One VM and one stack for the module, steps in order (each names what failed and where):
 up → live kernel values → ingress keys/streaming/ACLs → monitor → Prometheus → no-op second up →
 drift repaired by `up --refresh` → impossible SLA fails and the node keeps serving →
-a changed host key is refused → a killed `up` leaves a lock the demo clears → a certificate
-near its end is reissued → destroy restores
+a changed host key is refused → a killed `up` leaves a lock the demo clears → destroy restores
 the defaults. A replaced host (new identity: every step applied again) is covered against a
 real sshd in tests/integration/test_remote_ssh.py, destroy on an unreachable host in
 tests/unit/test_providers.py; a second full engine start here would cost about 10 minutes of CI.
@@ -308,30 +307,6 @@ def test_07c_a_killed_up_leaves_a_lock_that_the_demo_clears(node):
     node.pulumi("config", "rm", "--path", "fimfleet:monitor.intervalS", check=True)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert node.pulumi("up", "--yes", "--skip-preview").returncode == 0
-
-
-def test_07d_a_certificate_near_its_end_is_reissued_by_up(node):
-    """A short validity (29 days, under the 30-day renewal window) makes the certificate
-    reissue as soon as it outlives the setting, and every later preview plans it again."""
-    first = _served_not_after(node)
-    node.pulumi("config", "set", "--path", "fimfleet:ingress.certValidityDays", "29", check=True)
-    try:
-        proc = node.pulumi("up", "--yes", "--skip-preview")
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        assert re.search(r"node-ingress-cert +replaced", proc.stdout), proc.stdout[-4000:]
-        short = _served_not_after(node)
-        left = short - dt.datetime.now(dt.timezone.utc)
-        assert short < first and dt.timedelta(days=28) < left <= dt.timedelta(days=29), (first, short)
-        preview = node.pulumi("preview", "--json")
-        assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
-        ops = {st["urn"].rsplit("::", 1)[-1]: st["op"] for st in json.loads(preview.stdout).get("steps", [])}
-        assert ops.get("node-ingress-cert") == "replace", ops  # 29 days left: under the renewal window
-    finally:
-        node.pulumi("config", "rm", "--path", "fimfleet:ingress.certValidityDays", check=True)
-    proc = node.pulumi("up", "--yes", "--skip-preview")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert _served_not_after(node) - dt.datetime.now(dt.timezone.utc) > dt.timedelta(days=360)
-    one_completion(node)  # verified against caPem: every editor config follows the new certificate
 
 
 def test_08_destroy_removes_what_fimfleet_installed(node):
