@@ -36,7 +36,9 @@ UNIX_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
 ENV_VALUE = re.compile(r"[A-Za-z0-9_.:,/=+@%|-]{0,1024}")
 KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-API_KEY = re.compile(r"[A-Za-z0-9._~+/=-]{24,512}")
+API_KEY = re.compile(r"(?=.{24,512}\Z)[A-Za-z0-9._~+/-]+=*")
+"""RFC 6750 b64token ('=' only as padding at the end), 24-512 characters: nothing in it needs
+quoting in nginx, and only '.' and '+' are special in a regex."""
 NO_CONTROL = re.compile(r"[^\x00-\x1f\x7f]*")
 SSH_PUBLIC_KEY = re.compile(r"(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa|rsa-sha2-(256|512)) [A-Za-z0-9+/]+={0,3}( [^\x00-\x1f\x7f]*)?")
 
@@ -162,7 +164,8 @@ def key_name(v) -> str | None:
 
 
 def api_key(v) -> str | None:
-    return None if _full(API_KEY, v) else "each key must be 24-512 URL-safe characters without spaces or quotes (e.g. openssl rand -hex 24)"
+    return None if _full(API_KEY, v) else ("each key must be 24-512 URL-safe characters (letters, digits, -._~+/, '=' padding at the end), "
+                                              "no spaces or quotes (e.g. openssl rand -hex 24)")
 
 
 def ssh_public_key(v) -> str | None:

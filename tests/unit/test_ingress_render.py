@@ -46,7 +46,7 @@ assert os.access(NGINX, os.X_OK), f"nginx binary not found at {NGINX}: run ./fim
 KEYS = {
     "alice": "sk-alice-0123456789abcdefABCDEF",
     "bob": "bob.key+with/b64~chars_0123456789==",
-    "ci_bot": "CIBOTCIBOTCIBOTCIBOT42",
+    "ci_bot": "CIBOTCIBOTCIBOTCIBOT4242",
 }
 
 
@@ -135,7 +135,7 @@ VALID_VARIANTS = {
     "ipv4_and_ipv6_listen": dict(listen_addresses=("127.0.0.1", "::1"),
                                  metrics_allow_cidrs=("10.0.0.0/8", "fd00::/8", "127.0.0.1/32")),
     "metrics_closed_to_all": dict(metrics_allow_cidrs=()),
-    "upstream_key_and_tuning": dict(upstream_api_key="upstream-key-0123456789", rate_per_second=1,
+    "upstream_key_and_tuning": dict(upstream_api_key="upstream-key-0123456789ab", rate_per_second=1,
                                     burst=0, keepalive=4, read_timeout_s=3600,
                                     client_max_body_size="512k", worker_processes=2,
                                     hsts_max_age_s=0),
@@ -355,7 +355,7 @@ INVALID = [
     ("api_keys['alice']", dict(api_keys={"alice": "has space 0123456789"})),
     ("api_keys['alice']", dict(api_keys={"alice": "semi;colon0123456789"})),
     ("api_keys['alice']", dict(api_keys={"alice": "dollar$0123456789abc"})),
-    ("api_keys['bob']", dict(api_keys={"alice": "same-key-0123456789", "bob": "same-key-0123456789"})),
+    ("api_keys['bob']", dict(api_keys={"alice": "same-key-0123456789abcdef", "bob": "same-key-0123456789abcdef"})),
     ("upstream_api_key", dict(upstream_api_key="it's-a-key-0123456789")),
     ("rate_per_second", dict(rate_per_second=0)),
     ("rate_per_second", dict(rate_per_second=2.5)),
