@@ -2,28 +2,15 @@
 
 import pulumi
 
-from components import config, engine
+from components import config, validate
 from components.fleet import Fleet
 
 try:
-    cfg = config.from_pulumi()
-    config.check_passphrase(pulumi.get_stack(), dry_run=pulumi.runtime.is_dry_run())
+    cfg = validate.stack()
 except config.ConfigError as err:
     # One readable list of every problem, before any resource (or host) is touched.
     pulumi.log.error(str(err))
     raise SystemExit(32) from None
-
-# vLLM's own parser checks the rendered engine arguments wherever the pinned vLLM is
-# installed (FIMFLEET_VLLM_PYTHON), so a removed or misspelled flag fails the preview.
-if engine.vllm_python():
-    from components.runtime import model_path
-
-    launch = engine.render(cfg, model_path(cfg))
-    try:
-        engine.check_with_vllm(launch.args, launch.env)
-    except engine.VllmRejected as err:
-        pulumi.log.error(f"fimfleet:engine: {err}. Fix engine.extraArgs / engine.env in the stack config.")
-        raise SystemExit(32) from None
 
 fleet = Fleet("fleet", {"node": cfg})
 node = fleet.nodes["node"]
@@ -42,3 +29,5 @@ if node.monitoring is not None:
 if node.sla is not None:
     pulumi.export("slaReport", node.sla.summary)
     pulumi.export("slaPassed", node.sla.passed)
+    # Measured decode tok/s, the memory-bandwidth ceiling and the efficiency (null: not measured).
+    pulumi.export("decodeCeiling", node.sla.report.apply(lambda r: (r or {}).get("decode_ceiling")))

@@ -36,3 +36,30 @@ def test_unreachable_host_fails_up_with_one_readable_error(tmp_path):
     assert up.returncode != 0
     assert "fimfleet.Unreachable: cannot reach root@127.0.0.1:1 over SSH" in out, out[-3000:]
     assert "Traceback" not in out and 'File "' not in out, out[-3000:]
+
+
+def test_an_engine_flag_that_vllm_refuses_fails_preview_with_vllms_words(tmp_path, vllm_python):
+    """The rendered arguments go through the pinned vLLM's own parser (components/validate.py)."""
+    project = temp_project(tmp_path)
+    env = {**os.environ, "FIMFLEET_BACKEND_URL": f"file://{tmp_path}/state", "PULUMI_CONFIG_PASSPHRASE": "test-own-passphrase",
+           "FIMFLEET_VLLM_PYTHON": vllm_python}
+    (tmp_path / "state").mkdir()
+
+    def pulumi(*args, **kw):
+        cut = args.index("--") if "--" in args else len(args)  # a value that starts with "--" comes last
+        return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args[:cut], "-s", "cpu-epyc-prod",
+                               *args[cut:]], env=env, capture_output=True, text=True, timeout=600, **kw)
+
+    assert pulumi("stack", "init").returncode == 0
+    for args, stdin in ((("config", "set", "--secret", "fimfleet:sshPrivateKey"), ssh_key()),
+                        (("config", "set", "--secret", "--path", "fimfleet:apiKeys.alice", API_KEY), None),
+                        (("config", "set", "--path", "fimfleet:host.address", "203.0.113.10"), None),
+                        (("config", "set", "--path", "fimfleet:engine.extraArgs[0]", "--", "--fimfleet-no-such-flag"), None)):
+        r = pulumi(*args, input=stdin)
+        assert r.returncode == 0, r.stderr
+    preview = pulumi("preview")
+    out = preview.stdout + preview.stderr
+    assert preview.returncode != 0
+    assert "fimfleet:engine = " in out and "--fimfleet-no-such-flag" in out, out[-3000:]
+    assert "unrecognized arguments" in out and "Fix engine.extraArgs / engine.env" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
