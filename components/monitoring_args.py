@@ -119,7 +119,8 @@ def args_for(cfg, node: str) -> MonitoringArgs:
 
     i, s, mon, h = cfg.ingress, cfg.sla, cfg.monitoring, cfg.host
     ceiling = (sizing.decode_ceiling_tokens_per_s(cfg.model_spec, models.QUANTIZATIONS[cfg.model.quantization],
-                                                  h.memory_bandwidth_gbs * 1e9) if h.memory_bandwidth_gbs else 1.0)
+                                                  h.memory_bandwidth_gbs * 1e9, cfg.engine.dtype)
+               if h.memory_bandwidth_gbs else 1.0)
     url = f"https://127.0.0.1{'' if i.https_port == 443 else f':{i.https_port}'}/metrics"
     return MonitoringArgs(
         nodes=(ScrapeNode(node, url, server_name="" if i.tls == "self-signed" else i.domain,

@@ -11,6 +11,7 @@ the docker provider plugin cannot be built offline here (docs/architecture.md).
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ CACHE_DIR = "/var/cache/fimfleet/hf"
 SERVICE_USER = "fimfleet-vllm"
 LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "requirements-cpu.lock"
 REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
+BANDWIDTH_SCRIPT = "/usr/local/lib/fimfleet/bandwidth.py"
 PRELOAD = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
            "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "none": ""}
 OOM_SCORE_ADJUST = 300
@@ -33,6 +35,18 @@ OOM_SCORE_ADJUST = 300
 
 def unit_name(node: str) -> str:
     return f"vllm-{node}.service"
+
+
+def unit_paths(node: str) -> tuple[str, str, str]:
+    """The unit file, its memory drop-in and the env file: what the engine runs with."""
+    unit = unit_name(node)
+    return (f"/etc/systemd/system/{unit}", f"/etc/systemd/system/{unit}.d/50-fimfleet-memory.conf",
+            f"/etc/fimfleet/vllm-{node}.env")
+
+
+def started_stamp(node: str) -> str:
+    """Digest of the unit files the engine last started with (start.sh adopts an engine that matches)."""
+    return f"/var/lib/fimfleet/{unit_name(node)}.started"
 
 
 def model_path(cfg: StackConfig) -> str:
@@ -80,7 +94,7 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
     c = launch.container
     unit_file = templates.render(
         "runtime/vllm.service.j2", node=node, kind=cfg.runtime.kind, model=cfg.model.id,
-        env_file=f"/etc/fimfleet/vllm-{node}.env", user=SERVICE_USER, preload=PRELOAD[cfg.runtime.allocator],
+        env_file=unit_paths(node)[2], user=SERVICE_USER, preload=PRELOAD[cfg.runtime.allocator],
         state_dir=STATE_DIR, cache_dir=CACHE_DIR, venv=cfg.runtime.venv_path,
         args=" ".join(shlex.quote(a) for a in launch.args), container=f"vllm-{node}",
         image=cfg.runtime.image or default_image(cfg), shm_gib=c.shm_size_gib if c else 4,
@@ -94,27 +108,47 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
                            launch=launch)
 
 
+def service_files(node: str, r: RenderedRuntime) -> list[dict]:
+    unit_file, dropin, env_file = unit_paths(node)
+    return [{"path": unit_file, "mode": "0644", "content": r.unit_file},
+            {"path": dropin, "mode": "0644", "content": r.cgroup_dropin},
+            {"path": env_file, "mode": "0600", "content": r.env_file}]
+
+
 def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
     """Every script the runtime's steps run, rendered exactly as they deploy (tests read these too)."""
     unit = unit_name(node)
     kw = dict(unit=unit, venv=cfg.runtime.venv_path, user=SERVICE_USER, state_dir=STATE_DIR,
               cache_dir=CACHE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
-              env_file=f"/etc/fimfleet/vllm-{node}.env")
+              env_file=unit_paths(node)[2], stamp=started_stamp(node))
     out = {
         "model": templates.render("runtime/model.sh.j2", source=cfg.model.source, model_path=model_path(cfg),
                                   **{k: kw[k] for k in ("user", "state_dir", "cache_dir")}),
         "start": templates.render("runtime/start.sh.j2", timeout_s=cfg.runtime.start_timeout_s,
                                   served_name=engine.served_name(cfg), port=cfg.engine.port,
-                                  ready_body=models.readiness_body(cfg.model_spec, engine.served_name(cfg)), **kw),
+                                  ready_body=models.readiness_body(cfg.model_spec, engine.served_name(cfg)),
+                                  files=unit_paths(node), **kw),
         "check": templates.render("runtime/check.sh.j2", **kw),
         "destroy": templates.render("runtime/destroy.sh.j2", **kw),
     }
     if cfg.runtime.kind == "systemd":
+        out["bandwidth"] = templates.render("runtime/bandwidth.sh.j2", venv=cfg.runtime.venv_path, script=BANDWIDTH_SCRIPT)
         out["install"] = templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
                                           wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw)
     else:
         out["install"] = templates.render("runtime/pull-image.sh.j2", image=cfg.runtime.image or default_image(cfg))
     return out
+
+
+def bandwidth_from(stdout: str | None) -> float | None:
+    """bandwidth.py's figure from the step's output (None when it printed none)."""
+    for line in reversed((stdout or "").strip().splitlines()):
+        try:
+            value = json.loads(line).get("bandwidth_bytes_per_s")
+        except (ValueError, AttributeError):
+            continue
+        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    return None
 
 
 class VllmRuntime(pulumi.ComponentResource):
@@ -126,6 +160,9 @@ class VllmRuntime(pulumi.ComponentResource):
         r = render(cfg, node)
         sh = scripts(cfg, node)
         self.unit = r.unit
+        # What the monitor restarts and kills: the engine's user (systemd) or container (docker).
+        self.service_user = SERVICE_USER if cfg.runtime.kind == "systemd" else ""
+        self.container = f"vllm-{node}" if cfg.runtime.kind == "docker" else ""
         child = pulumi.ResourceOptions(parent=self)
 
         if cfg.runtime.kind == "systemd":
@@ -145,16 +182,24 @@ class VllmRuntime(pulumi.ComponentResource):
         model = RemoteStep(f"{name}-model", label="model", connection=connection, uploads=uploads,
                            apply=sh["model"], timeout_s=3600,
                            opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
+        # Measured once per host (a new identity measures again), before the engine holds the memory.
+        self.bandwidth_bytes_per_s: pulumi.Output = pulumi.Output.from_input(None)
+        before_start = [model]
+        if "bandwidth" in sh:
+            script = (templates.FILES / "runtime/bandwidth.py").read_text()
+            bandwidth = RemoteStep(
+                f"{name}-bandwidth", label="memory bandwidth", connection=connection,
+                files=[{"path": BANDWIDTH_SCRIPT, "mode": "0644", "content": script}], apply=sh["bandwidth"],
+                destroy=f"rm -f {shlex.quote(BANDWIDTH_SCRIPT)}", timeout_s=300,
+                opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
+            self.bandwidth_bytes_per_s = bandwidth.stdout.apply(bandwidth_from)
+            before_start.append(bandwidth)
 
-        files = [
-            {"path": f"/etc/systemd/system/{r.unit}", "mode": "0644", "content": r.unit_file},
-            {"path": f"/etc/systemd/system/{r.unit}.d/50-fimfleet-memory.conf", "mode": "0644", "content": r.cgroup_dropin},
-            {"path": f"/etc/fimfleet/vllm-{node}.env", "mode": "0600", "content": r.env_file},
-        ]
+        files = service_files(node, r)
         self.digest = templates.digest(files, uploads, cfg.runtime.vllm_version)
         self.service = RemoteStep(
             f"{name}-service", label="vLLM service", connection=connection, files=files,
             apply=sh["start"], check=sh["check"], destroy=sh["destroy"],
             triggers=[self.digest], timeout_s=cfg.runtime.start_timeout_s + 120,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[model]))
+            opts=pulumi.ResourceOptions(parent=self, depends_on=before_start))
         self.register_outputs({"unit": self.unit, "digest": self.digest})

@@ -108,6 +108,15 @@ def plan_gpu(model, quant, *, vram_bytes_per_gpu, gpus, utilization, max_model_l
     )
 
 
-def decode_ceiling_tokens_per_s(model: ModelSpec, quant: Quantization, bandwidth_bytes_per_s: float) -> float:
+def decode_weight_bytes(model: ModelSpec, quant: Quantization, dtype: str = "auto") -> int:
+    """Weight bytes one decode step reads: all of them (these models are dense), an unquantized
+    model in the engine's dtype (float32: 4 bytes a parameter, as the local test model runs)."""
+    if quant.bytes_per_param >= 2 and dtype == "float32":
+        return int(model.params * 4)
+    return weight_bytes(model, quant)
+
+
+def decode_ceiling_tokens_per_s(model: ModelSpec, quant: Quantization, bandwidth_bytes_per_s: float,
+                                dtype: str = "auto") -> float:
     """Upper bound for single-stream decode: every token reads all weights once from memory."""
-    return bandwidth_bytes_per_s / weight_bytes(model, quant)
+    return bandwidth_bytes_per_s / decode_weight_bytes(model, quant, dtype)

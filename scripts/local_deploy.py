@@ -3,10 +3,11 @@
 Steps (each cached or idempotent, with progress on stderr):
   1. the pinned vLLM CPU install and its wheelhouse (toolchain/vllm/install.sh)
   2. the tiny random FIM model (toolchain/tinymodel/make_tiny_model.py)
-  3. the VM image with the vLLM venv pre-installed, a booted-RAM snapshot, and a fresh VM
-     restored from it (toolchain/testbed/vm.py)
-  4. the `local` stack's config: VM and model paths, two generated API keys as secrets
+  3. the `local` stack's config: VM and model paths, two generated API keys as secrets
      (kept in .work/Pulumi.local.yaml, outside version control)
+  4. the VM image with the vLLM venv pre-installed, a booted-RAM snapshot, a snapshot whose
+     engine already serves this stack's runtime (scripts/engine_snapshot.py), and a fresh VM
+     restored from it (toolchain/testbed/vm.py)
   5. `pulumi up -s local`, then the endpoint, the SLA report and the Continue.dev config
 
 The e2e tests import these functions, so the demo and the tests run one code path.
@@ -66,18 +67,30 @@ def vm(*args, state: Path, **kw) -> dict:
     return json.loads(out) if out.strip().startswith("{") else {}
 
 
-def start_vm(state: Path, wheelhouse: str) -> dict:
-    """A fresh VM from the vllm variant's RAM snapshot, with guest 443 forwarded to a free local port."""
+def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False) -> dict:
+    """A fresh VM with guest 443 forwarded to a free local port: restored from the snapshot whose
+    engine already serves `serving_config`'s runtime (scripts/engine_snapshot.py), or, without
+    it, from the vllm variant's booted snapshot (the engine then starts during `pulumi up`).
+    `same_ports`: the stopped VM's ssh and https ports, as a host reinstalled under its address."""
     env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
+    ports = []
     if (state / "info.json").exists():
         status = vm("status", state=state, check=False)
-        if status.get("running") and status.get("variant") == VARIANT and "443" in status.get("ports", {}):
+        if same_ports:
+            ports = ["--ssh-port", str(status["ports"]["22"]), "--forward", f"{status['ports']['443']}:443"]
+        if not same_ports and status.get("running") and status.get("variant") == VARIANT and "443" in status.get("ports", {}):
             # The deployed node lives on this VM: a rerun converges on it instead of starting over.
             say(f"reusing the running test VM in {state}")
             return status
     say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
-    return vm("restore", "--variant", VARIANT, "--forward", "443", state=state, env=env)
+    if serving_config is None:
+        return vm("restore", "--variant", VARIANT, *(ports or ["--forward", "443"]), state=state, env=env)
+    from scripts import engine_snapshot
+
+    sdir = engine_snapshot.ensure(vm, serving_config, CACHE, env)
+    say(f"restoring a VM whose engine already serves this stack's runtime ({sdir}); `pulumi up` adopts it")
+    return vm("restore", "--snapshot", str(sdir), *(ports or ["--forward", "443"]), state=state, env=env)
 
 
 def stop_vm(state: Path) -> None:
@@ -159,9 +172,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     paths = prepare()
-    info = start_vm(a.state, paths["wheelhouse"])
-    say(f"VM up: ssh -p {info['ssh']['port']} -i {info['ssh']['key']} root@127.0.0.1")
     cfg = stack_config(a.config_file, a.state, paths["model_dir"])
+    info = start_vm(a.state, paths["wheelhouse"], serving_config=cfg)
+    say(f"VM up: ssh -p {info['ssh']['port']} -i {info['ssh']['key']} root@127.0.0.1")
     clear_stale_lock()
     before = previous_outputs().get("slaReport")
     say("pulumi up -s local (engine start under emulation takes several minutes)")

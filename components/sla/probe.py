@@ -90,6 +90,9 @@ class ProbeConfig:
     """FIM cases to cycle through (default: ``corpus.CORPUS``)."""
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     """Extra JSON fields merged into each request body (vendor parameters)."""
+    bandwidth_bytes_per_s: Optional[float] = None
+    """The node's measured memory bandwidth; with the next, the report's decode ceiling."""
+    active_weight_bytes_per_token: Optional[float] = None
 
     @property
     def url(self) -> str:
@@ -422,6 +425,8 @@ async def run_probe_async(config: ProbeConfig) -> ProbeReport:
         warmup_results=warm,
         warnings=warnings,
         aborted=state.abort_reason,
+        bandwidth_bytes_per_s=config.bandwidth_bytes_per_s,
+        active_weight_bytes_per_token=config.active_weight_bytes_per_token,
     )
 
 

@@ -27,9 +27,12 @@ from components.sla.report import SlaViolationError
 from components.sla.thresholds import SlaThresholds, as_int
 
 _SAMPLE_KEYS = ("samples", "warmup", "concurrency", "max_tokens")
-_INPUT_KEYS = ("endpoint", "api_key", "ca_pem", "model", "thresholds", *_SAMPLE_KEYS, "trigger")
+_CEILING_KEYS = ("bandwidth_bytes_per_s", "active_weight_bytes_per_token")
+_INPUT_KEYS = ("endpoint", "api_key", "ca_pem", "model", "thresholds", *_SAMPLE_KEYS, "trigger", "ceiling")
 _OUTPUT_ONLY_KEYS = ("report", "summary", "passed", "api_key_sha256")
-_DIFF_KEYS = tuple(k for k in _INPUT_KEYS if k != "api_key")  # the key is compared by its hash
+# The key is compared by its hash. The ceiling only annotates the report: a host measured anew
+# changes the trigger anyway, and an upgrade that adds it does not measure again.
+_DIFF_KEYS = tuple(k for k in _INPUT_KEYS if k not in ("api_key", "ceiling"))
 _DEFAULTS = ProbeConfig(endpoint="http://unused", model="unused")
 _MAX_PER_REQUEST_IN_STATE = 100  # keeps stack state small for large sample counts
 
@@ -103,6 +106,17 @@ def _normalize_props(props: Mapping[str, Any]) -> tuple[dict[str, Any], list[tup
         if v < lo:
             failures.append((key, f"{key} must be >= {lo}, got {v}"))
         out[key] = v
+    ceiling = props.get("ceiling")
+    if _is_unknown(ceiling):
+        out["ceiling"] = ceiling
+    elif ceiling not in (None, {}):
+        values = {k: (ceiling or {}).get(k) if isinstance(ceiling, Mapping) else None for k in _CEILING_KEYS}
+        if all(v is None for v in values.values()):
+            pass  # nothing measured (a runtime without the bandwidth step): no ceiling line
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values.values()):
+            out["ceiling"] = {k: float(v) for k, v in values.items()}
+        else:
+            failures.append(("ceiling", f"ceiling needs positive numbers {', '.join(_CEILING_KEYS)}, got {ceiling!r}"))
     if isinstance(out.get("max_tokens"), int) and out["max_tokens"] < 2 and \
             isinstance(out.get("thresholds"), dict) and out["thresholds"].get("min_decode_tokens_per_s"):
         failures.append(("max_tokens", "min_decode_tokens_per_s needs max_tokens >= 2"))
@@ -114,7 +128,7 @@ def _config_from_props(props: Mapping[str, Any]) -> tuple[ProbeConfig, SlaThresh
     if failures:
         raise ValueError("invalid FimSlaCheck inputs: " + "; ".join(f"{p}: {r}" for p, r in failures))
     cfg = ProbeConfig(endpoint=norm["endpoint"], model=norm["model"], api_key=norm.get("api_key"),
-                      ca_pem=norm.get("ca_pem"), **{k: norm[k] for k in _SAMPLE_KEYS})
+                      ca_pem=norm.get("ca_pem"), **{k: norm[k] for k in _SAMPLE_KEYS}, **norm.get("ceiling", {}))
     problems = cfg.validate()
     if problems:
         raise ValueError("invalid FimSlaCheck inputs: " + "; ".join(problems))
@@ -195,7 +209,8 @@ class FimSlaCheck(pulumi.dynamic.Resource, module="fimfleet", name="FimSlaCheck"
 
     create/update probe ``endpoint`` and fail the deploy with the readable report when
     the SLA is missed. The probe re-runs only when ``trigger`` or a probe input
-    (endpoint, model, thresholds, sample settings, ca_pem, api_key) changes.
+    (endpoint, model, thresholds, sample settings, ca_pem, api_key) changes. ``ceiling``
+    ({bandwidth_bytes_per_s, active_weight_bytes_per_token}) adds the decode ceiling to the report.
 
     Outputs: ``report`` (dict, see ``ProbeReport.to_dict``; plus ``violations`` and
     ``thresholds``), ``summary`` (text with the TTFT histogram), ``passed`` (bool),
@@ -221,6 +236,7 @@ class FimSlaCheck(pulumi.dynamic.Resource, module="fimfleet", name="FimSlaCheck"
         warmup: Optional[pulumi.Input[int]] = None,
         concurrency: Optional[pulumi.Input[int]] = None,
         max_tokens: Optional[pulumi.Input[int]] = None,
+        ceiling: Optional[pulumi.Input[dict]] = None,
         opts: Optional[pulumi.ResourceOptions] = None,
     ) -> None:
         if not isinstance(thresholds, SlaThresholds):
@@ -236,6 +252,7 @@ class FimSlaCheck(pulumi.dynamic.Resource, module="fimfleet", name="FimSlaCheck"
             "warmup": warmup,
             "concurrency": concurrency,
             "max_tokens": max_tokens,
+            "ceiling": ceiling,
             # outputs
             "report": None,
             "summary": None,

@@ -100,10 +100,12 @@ def hostile_renders(payload: str):
     yield "model", r("runtime/model.sh.j2", source="local", model_path=payload, user=payload, state_dir=payload,
                      cache_dir=payload)
     yield "pull-image", r("runtime/pull-image.sh.j2", image=payload)
+    yield "bandwidth", r("runtime/bandwidth.sh.j2", venv=payload, script=payload)
     yield "start", r("runtime/start.sh.j2", unit=payload, served_name=payload, port=payload, timeout_s=0,
                      **_start_extras(payload))
     yield "runtime-destroy", r("runtime/destroy.sh.j2", unit=payload, kind="docker", container=payload,
-                               env_file=payload, venv=payload, state_dir=payload, cache_dir=payload, user=payload)
+                               env_file=payload, venv=payload, state_dir=payload, cache_dir=payload, user=payload,
+                               stamp=payload)
     yield "runtime-check", r("runtime/check.sh.j2", unit=payload)
     verify = r("kernel/verify.sh.j2", sysctl={payload: payload}, sysfs={payload: payload}, limits={payload: payload},
                limits_path=payload)
@@ -122,7 +124,7 @@ def _start_extras(payload: str) -> dict:
 
     env = templates.environment()
     names = meta.find_undeclared_variables(env.parse(env.loader.get_source(env, "runtime/start.sh.j2")[0]))
-    return {n: payload for n in names - {"unit", "served_name", "port", "timeout_s"}}
+    return {**{n: payload for n in names - {"unit", "served_name", "port", "timeout_s"}}, "files": [payload, payload]}
 
 
 @pytest.mark.parametrize("payload", PAYLOADS, ids=["semicolon", "dollar", "backtick", "squote", "dquote", "newline"])

@@ -3,6 +3,7 @@ and a list of the kernel's sysctl names."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -163,15 +164,63 @@ def test_engine_start_reports_progress_with_the_engines_last_log_line(tmp_path):
                        "journalctl": "echo 'INFO Loading weights took 1.20 seconds'"}.items():
         (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
         (stubs / name).chmod(0o755)
+    unit_file = tmp_path / "unit"
+    unit_file.write_text("[Service]\n")
     script = templates.render("runtime/start.sh.j2", unit="vllm-node.service", served_name="m", port=8000,
                               timeout_s=3, poll_s=1, report_every_s=1, ready_body="{}", container="c",
-                              env_file="/e", venv="/v", user="u", state_dir="/s", cache_dir="/c", kind="systemd")
+                              env_file="/e", venv="/v", user="u", state_dir="/s", cache_dir="/c", kind="systemd",
+                              stamp=str(tmp_path / "stamp"), files=[str(unit_file)])
     proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True, text=True, timeout=30,
                           env={"PATH": f"{stubs}:/usr/bin:/bin"})
     progress = [l for l in proc.stderr.splitlines() if l.startswith(remote.PROGRESS_PREFIX)]
     assert proc.returncode == 1 and "did not answer a completion within 3 s" in proc.stderr
     assert progress and "s elapsed" in progress[0] and "s left of 3" in progress[0], proc.stderr
     assert progress[0].endswith("engine: INFO Loading weights took 1.20 seconds"), progress
+
+
+def _start_with_stubs(tmp_path, stamp_text: str | None, unit_text="[Service]\n"):
+    """start.sh against stub systemctl/curl (the engine is active and answers); returns (proc, systemctl calls)."""
+    from components import templates
+
+    stubs, calls = tmp_path / "bin", tmp_path / "calls"
+    stubs.mkdir(exist_ok=True)
+    for name, body in {"systemctl": f'echo "$*" >> {calls}; exit 0',
+                       "curl": "echo '{\"choices\": [{\"text\": \"x\"}]}'", "journalctl": "true"}.items():
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    unit_file, stamp = tmp_path / "unit", tmp_path / "stamp"
+    unit_file.write_text(unit_text)
+    if stamp_text is not None:
+        stamp.write_text(stamp_text)
+    script = templates.render("runtime/start.sh.j2", unit="vllm-node.service", served_name="m", port=8000,
+                              timeout_s=3, poll_s=1, ready_body="{}", container="c", env_file="/e", venv="/v",
+                              user="u", state_dir="/s", cache_dir="/c", kind="systemd", stamp=str(stamp),
+                              files=[str(unit_file)])
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{stubs}:/usr/bin:/bin"})
+    return proc, calls.read_text().splitlines()
+
+
+def test_an_engine_serving_the_same_files_is_adopted_not_restarted(tmp_path):
+    import hashlib
+
+    proc, calls = _start_with_stubs(tmp_path, hashlib.sha256(b"[Service]\n").hexdigest() + "\n")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"ready_after_s": 0, "adopted": True}
+    assert not any(c.startswith("restart") for c in calls), calls
+
+
+def test_changed_files_or_no_record_restart_the_engine_and_record_what_it_started_with(tmp_path):
+    import hashlib
+
+    for i, stamp in enumerate((None, hashlib.sha256(b"[Service]\nold\n").hexdigest())):
+        d = tmp_path / str(i)
+        d.mkdir()
+        proc, calls = _start_with_stubs(d, stamp)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["adopted"] is False
+        assert "restart vllm-node.service" in calls, calls
+        assert (d / "stamp").read_text().strip() == hashlib.sha256(b"[Service]\n").hexdigest()
 
 
 # a reader that may stop before its writer is done: `grep -q`, `grep -m`, `head`
@@ -198,3 +247,10 @@ def test_the_early_exit_rule_catches_the_pattern():
     assert EARLY_EXIT_READER.search("curl -fsS http://x/metrics | grep -q '^up 1'")
     assert EARLY_EXIT_READER.search("sed -n p f | head -n1")
     assert not EARLY_EXIT_READER.search("grep -q '^up 1' <<<\"$metrics\"")
+
+
+def test_the_bandwidth_step_output_is_read_back_and_a_missing_figure_is_none():
+    line = '{"bandwidth_bytes_per_s": 13702047957.0, "processes": 2}'
+    assert runtime.bandwidth_from(f"noise\n{line}\n") == 13702047957.0
+    assert runtime.bandwidth_from("") is None and runtime.bandwidth_from('{"bandwidth_bytes_per_s": 0}') is None
+

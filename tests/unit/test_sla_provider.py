@@ -399,3 +399,33 @@ def test_a_computed_trigger_passes_check_during_preview():
                             "max_errors": 0}}
     assert sla_provider.FimSlaCheckProvider().check({}, props).failures == []
     assert not sla_provider._is_unknown("abc")
+
+
+def test_the_measured_bandwidth_puts_the_decode_ceiling_in_the_report(fake):
+    """bandwidth / bytes read per token = the ceiling; the report shows measured tok/s against it."""
+    p = FimSlaCheckProvider()
+    ceiling = {"bandwidth_bytes_per_s": 20e9, "active_weight_bytes_per_token": 2e9}
+    props = p.check({}, _props(fake, max_tokens=4.0, ceiling=ceiling)).inputs
+    outs = p.create(props).outs
+    dc = outs["report"]["decode_ceiling"]
+    assert dc["ceiling_tokens_per_s"] == pytest.approx(10.0)
+    assert dc["efficiency_pct"] == pytest.approx(100 * dc["measured_tokens_per_s"] / 10.0, rel=0.01)
+    assert "decode ceiling" in outs["summary"] and "20 GB/s / 2 GB per token" in outs["summary"]
+    # the ceiling only annotates: a new figure alone does not measure again
+    moved = {**ceiling, "bandwidth_bytes_per_s": 21e9}
+    assert p.diff("x", outs, _props(fake, max_tokens=4.0, ceiling=moved)).changes is False
+
+
+@pytest.mark.parametrize("bad", [{"bandwidth_bytes_per_s": -1, "active_weight_bytes_per_token": 2e9},
+                                 {"bandwidth_bytes_per_s": 1e9}, {"bandwidth_bytes_per_s": "fast",
+                                                                  "active_weight_bytes_per_token": 1}])
+def test_a_malformed_ceiling_is_a_readable_check_failure(fake, bad):
+    failures = FimSlaCheckProvider().check({}, _props(fake, ceiling=bad)).failures
+    assert [f.property for f in failures] == ["ceiling"], failures
+
+
+def test_without_a_measurement_the_report_has_no_ceiling_line(fake):
+    p = FimSlaCheckProvider()
+    outs = p.create(p.check({}, _props(fake, ceiling=None)).inputs).outs
+    assert outs["report"]["decode_ceiling"]["ceiling_tokens_per_s"] is None
+    assert "decode ceiling" not in outs["summary"]

@@ -355,7 +355,7 @@ class VM:
 
     def launch(self, *, variant: str, mem: str, smp: int, forwards: list[str], backing: str,
                mode: str, incoming: str | None = None, snapshot: str | None = None,
-               image: str | None = None) -> dict:
+               image: str | None = None, ssh_port: int = 0) -> dict:
         """Create the overlay, pick ports and start qemu (daemonized)."""
         if self.running():
             raise TestbedError(f"a VM is already running in {self.state} (pid {self.pid()}); "
@@ -375,7 +375,7 @@ class VM:
         append = f"{KERNEL_ARGS.strip()} fimfleet.authorized_key={key_b64}"
         qemu_log = os.path.join(self.state, "qemu.log")
         for attempt in range(5):
-            ports = {22: free_port()}
+            ports = {22: ssh_port or free_port()}
             fwd = [(ports[22], 22)]
             for host, guest in wanted:
                 ports[guest] = host or free_port()
@@ -389,7 +389,7 @@ class VM:
                 break
             with open(qemu_log) as lf:
                 err = lf.read().strip().splitlines()[-1:]
-            if "host forwarding" in " ".join(err) and attempt < 4 and not any(h for h, _ in wanted):
+            if "host forwarding" in " ".join(err) and attempt < 4 and not ssh_port and not any(h for h, _ in wanted):
                 continue  # port race: pick new ports
             raise TestbedError(f"qemu failed to start: {' '.join(err)} (full log: {qemu_log})")
         with open(self.known_hosts, "w") as f:
@@ -519,6 +519,44 @@ def wait_booted(vm: VM, timeout: float = 600, key: str | None = None) -> str:
     return r.stdout.strip()
 
 
+def _freeze(vm: VM, dest: str) -> str:
+    """Stop the running VM and write its RAM to dest/mem.state and its disk to
+    dest/snapshot-disk.qcow2 (the backing file of every restore). Returns the RAM file."""
+    vm.ssh_run("sync; echo 3 > /proc/sys/vm/drop_caches; sync")
+    vm.close_mux()  # no ssh session may be open in the saved state
+    time.sleep(2)   # let sshd/logind tear the session down
+    os.makedirs(dest, exist_ok=True)
+    mem_state = os.path.join(dest, "mem.state")
+    q = vm.qmp()
+    q.cmd("stop")
+    q.cmd("migrate", uri=f"exec:cat > {mem_state}")
+    next_log = time.monotonic() + 15
+    while True:
+        st = q.cmd("query-migrate")
+        if st.get("status") == "completed":
+            break
+        if st.get("status") in ("failed", "cancelled"):
+            raise TestbedError(f"migrate to file failed: {st}")
+        if time.monotonic() > next_log:
+            done = (st.get("ram") or {}).get("transferred", 0)
+            log(f"snapshot: {done / 2**20:.0f} MiB of RAM written so far")
+            next_log = time.monotonic() + 15
+        time.sleep(0.2)
+    try:
+        q.cmd("quit")
+    except (TestbedError, OSError):
+        pass
+    q.close()
+    deadline = time.monotonic() + 30
+    while vm.running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if vm.running():
+        raise TestbedError("qemu did not exit after the snapshot was saved")
+    os.rename(vm.overlay, os.path.join(dest, "snapshot-disk.qcow2"))
+    os.chmod(os.path.join(dest, "snapshot-disk.qcow2"), 0o444)
+    return mem_state
+
+
 def make_snapshot(variant: str, mem: str, smp: int, force: bool = False) -> dict:
     image = image_dir(variant)
     sdir = snapshot_dir(image, mem, smp)
@@ -543,34 +581,8 @@ def make_snapshot(variant: str, mem: str, smp: int, force: bool = False) -> dict
             state = wait_booted(vm)
             boot_s = time.monotonic() - t0
             log(f"snapshot: system {state} after {boot_s:.1f}s; dropping caches")
-            vm.ssh_run("sync; echo 3 > /proc/sys/vm/drop_caches; sync")
-            vm.close_mux()  # no ssh session may be open in the saved state
-            time.sleep(2)   # let sshd/logind tear the session down
-            q = vm.qmp()
-            q.cmd("stop")
-            mem_state = os.path.join(tmp, "mem.state")
-            q.cmd("migrate", uri=f"exec:cat > {mem_state}")
-            while True:
-                st = q.cmd("query-migrate")
-                if st.get("status") == "completed":
-                    break
-                if st.get("status") in ("failed", "cancelled"):
-                    raise TestbedError(f"migrate to file failed: {st}")
-                time.sleep(0.2)
-            try:
-                q.cmd("quit")
-            except (TestbedError, OSError):
-                pass
-            q.close()
-            deadline = time.monotonic() + 30
-            while vm.running() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if vm.running():
-                raise TestbedError("qemu did not exit after the snapshot was saved")
-            # Keep the frozen disk (the backing file of every restore) and the key
-            # the guest trusts; vm.stop() below only cleans the rest.
-            os.rename(vm.overlay, os.path.join(tmp, "snapshot-disk.qcow2"))
-            vm.stop()
+            _freeze(vm, tmp)
+            vm.stop()  # the frozen disk and the key the guest trusts stay in tmp
             save_s = time.monotonic() - t0 - boot_s
         except BaseException:
             try:
@@ -578,7 +590,7 @@ def make_snapshot(variant: str, mem: str, smp: int, force: bool = False) -> dict
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        os.chmod(os.path.join(tmp, "snapshot-disk.qcow2"), 0o444)
+        mem_state = os.path.join(tmp, "mem.state")
         info = vm.info()
         snap = {
             "dir": sdir,
@@ -612,6 +624,37 @@ def make_snapshot(variant: str, mem: str, smp: int, force: bool = False) -> dict
         return snap
 
 
+def save_running(vm: VM, sdir: str, label: dict) -> dict:
+    """Freeze a running VM (restored, then provisioned, e.g. with a serving engine) into a
+    snapshot of its own at sdir; `label` says what it holds. The VM is gone afterwards."""
+    if not vm.running():
+        raise TestbedError(f"the VM in {vm.state} is not running")
+    info = vm.info()
+    tmp = f"{sdir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.monotonic()
+    log(f"snapshot: saving the running VM {vm.state} as {sdir}")
+    try:
+        mem_state = _freeze(vm, tmp)
+        shutil.copy(vm.key, os.path.join(tmp, "id_ed25519"))  # the key the saved guest trusts
+        vm.stop()
+    except BaseException:
+        vm.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    snap = {k: info[k] for k in ("variant", "image", "image_key", "mem", "smp")}
+    snap.update(dir=sdir, parent=info.get("snapshot"), label=label, mem_mib=mem_mib(info["mem"]),
+                qemu=qemu_version(), machine_layout=MACHINE_LAYOUT,
+                disk=os.path.join(sdir, "snapshot-disk.qcow2"), mem_state=os.path.join(sdir, "mem.state"),
+                mem_state_bytes=os.path.getsize(mem_state), key=os.path.join(sdir, "id_ed25519"),
+                save_seconds=round(time.monotonic() - t0, 1), created_at=time.time())
+    write_json(os.path.join(tmp, "manifest.json"), snap)
+    shutil.rmtree(sdir, ignore_errors=True)
+    os.rename(tmp, sdir)
+    log(f"snapshot: saved {snap['mem_state_bytes'] / 2**20:.0f} MiB RAM state in {snap['save_seconds']}s: {sdir}")
+    return snap
+
+
 def prune_snapshots(keep: str) -> None:
     """Delete snapshots of the same size made by an older machine layout, unless in use."""
     parent, name = os.path.split(keep)
@@ -628,10 +671,17 @@ def prune_snapshots(keep: str) -> None:
 
 
 def restore(vm: VM, variant: str, mem: str, smp: int, forwards: list[str],
-            create: bool = True) -> dict:
+            create: bool = True, snapshot: str | None = None, ssh_port: int = 0) -> dict:
+    """Start a VM from the image's booted snapshot, or from `snapshot` (one save_running made)."""
     t0 = time.monotonic()
+    if snapshot:
+        sdir = os.path.abspath(snapshot)
+        if not os.path.exists(os.path.join(sdir, "manifest.json")):
+            raise TestbedError(f"no snapshot in {sdir} (manifest.json missing)")
+        saved = load_json(os.path.join(sdir, "manifest.json"))
+        variant, mem, smp = saved["variant"], saved["mem"], saved["smp"]
     image = image_dir(variant)
-    sdir = snapshot_dir(image, mem, smp)
+    sdir = sdir if snapshot else snapshot_dir(image, mem, smp)
     if not os.path.exists(os.path.join(sdir, "manifest.json")):
         if not create:
             raise TestbedError(f"no snapshot for {variant} {mem} {smp} vCPU: "
@@ -639,7 +689,7 @@ def restore(vm: VM, variant: str, mem: str, smp: int, forwards: list[str],
         make_snapshot(variant, mem, smp)
         t0 = time.monotonic()
     snap = load_json(os.path.join(sdir, "manifest.json"))
-    info = vm.launch(variant=variant, mem=mem, smp=smp, forwards=forwards, mode="restore",
+    info = vm.launch(variant=variant, mem=mem, smp=smp, forwards=forwards, mode="restore", ssh_port=ssh_port,
                      image=image, backing=snap["disk"], snapshot=sdir,
                      incoming=f"exec:cat {snap['mem_state']}")
     q = vm.qmp()
@@ -782,6 +832,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward", action="append", default=[], metavar="[HOST:]GUEST")
     p.add_argument("--no-create", action="store_true",
                    help="fail instead of creating a missing snapshot")
+    p.add_argument("--snapshot", help="restore this saved snapshot directory (see `save`) instead")
+    p.add_argument("--ssh-port", type=int, default=0,
+                   help="host port for the guest's sshd (default: a free one), e.g. to replace a VM in place")
+
+    p = sub.add_parser("save", help="freeze the running VM into a snapshot directory of its own")
+    common(p, machine=False)
+    p.add_argument("--to", required=True, help="the snapshot directory to write")
+    p.add_argument("--label", default="{}", help="JSON that says what the snapshot holds")
 
     p = sub.add_parser("snapshot", help="create the RAM snapshot (no-op when cached)")
     common(p)
@@ -826,8 +884,11 @@ def main(argv: list[str] | None = None) -> int:
                 info = vm.update_info(timings={"cold_boot_to_ssh_s": round(s, 2)})
             emit(vm.status())
         elif a.cmd == "restore":
-            restore(vm, a.variant, a.mem, a.smp, a.forward, create=not a.no_create)
+            restore(vm, a.variant, a.mem, a.smp, a.forward, create=not a.no_create, snapshot=a.snapshot,
+                    ssh_port=a.ssh_port)
             emit(vm.status())
+        elif a.cmd == "save":
+            emit(save_running(vm, os.path.abspath(a.to), json.loads(a.label)))
         elif a.cmd == "snapshot":
             emit(make_snapshot(a.variant, a.mem, a.smp, force=a.force))
         elif a.cmd == "wait-ssh":

@@ -1,0 +1,130 @@
+"""A test-VM snapshot whose vLLM engine already serves the local stack's runtime.
+
+The engine start under emulation is most of a fresh deploy (about 8 minutes), and only the
+runtime's files decide what the engine runs. So the engine is started once, with the
+runtime's own rendered steps (components/runtime.py: venv, model, unit files, start.sh),
+after the host's packages, on a VM restored from the image's booted snapshot, and that VM
+is frozen again (RAM and disk). A VM restored from it serves at once; `pulumi up` then deploys everything as on
+a fresh host, and start.sh adopts the engine because it already runs exactly these files
+(recorded after its start) instead of starting it a second time.
+
+Cached under $FIMFLEET_CACHE/testbed/serving/<key>, keyed by the booted snapshot and
+everything that reaches the engine; built under a lock, so two runs at once build it once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from components import config, host, remote, runtime, templates  # noqa: E402
+
+NODE = "node"  # __main__.py's single node
+
+
+def say(msg: str) -> None:
+    print(f"fimfleet: serving snapshot: {msg}", file=sys.stderr, flush=True)
+
+
+def stack_config(config_file: Path, vm_state: Path) -> config.StackConfig:
+    """The runtime-relevant part of a local stack file (its secrets stay encrypted and unread)."""
+    doc = yaml.safe_load(config_file.read_text()).get("config") or {}
+    values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in doc.items()
+              if k.startswith(config.NAMESPACE + ":") and not (isinstance(v, dict) and "secure" in v)}
+    raw_host = json.loads(values.get("fimfleet:host", "{}"))
+    values["fimfleet:host"] = json.dumps({**raw_host, "testbedState": str(vm_state)})
+    values["fimfleet:apiKeys"] = json.dumps({"snapshot": "fimfleet-" + secrets.token_urlsafe(24)})
+    return config.from_mapping(values, frozenset({"fimfleet:apiKeys"}))
+
+
+def _steps(cfg: config.StackConfig) -> dict:
+    r = runtime.render(cfg, NODE)
+    return {"packages": templates.render("host/packages.sh.j2", packages=host.packages(cfg)),
+            # only what the engine's start runs: a changed check or destroy script keeps the snapshot
+            "scripts": {k: v for k, v in runtime.scripts(cfg, NODE).items() if k in ("install", "model", "start")},
+            "files": runtime.service_files(NODE, r),
+            "lock": runtime.LOCK_FILE.read_text(), "model": cfg.model.local_path,
+            "remote_model": runtime.model_path(cfg)}
+
+
+def snapshot_key(base: dict, steps: dict) -> str:
+    """The booted snapshot it grows from, and everything that reaches the engine."""
+    return templates.digest(base["dir"], base.get("created_at"), steps["packages"], steps["scripts"], steps["files"],
+                            steps["lock"],
+                            steps["remote_model"], remote.dir_digest(steps["model"]))
+
+
+def _run(client, what: str, script: str, timeout_s: float) -> str:
+    code, out, err = remote.run(client, script, timeout_s=timeout_s, label=f"serving snapshot: {what}")
+    if code:
+        raise RuntimeError(f"serving snapshot: {what} failed (exit {code}):\n{(err or out)[-2000:]}")
+    return out
+
+
+def provision(vm_state: Path, steps: dict, start_timeout_s: float) -> str:
+    """The host's packages (the engine preloads jemalloc from them), then the runtime's steps in
+    the order VllmRuntime runs them; returns start.sh's output."""
+    sh = steps["scripts"]
+    with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(vm_state)))) as client:
+        _run(client, "packages", steps["packages"], 1800)
+        remote.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
+        _run(client, "vLLM virtualenv", sh["install"], 3600)
+        remote.put_dir(client, steps["model"], steps["remote_model"])
+        _run(client, "model", sh["model"], 600)
+        remote.put_files(client, steps["files"])
+        say("starting the engine once (under emulation this takes several minutes; progress follows)")
+        return _run(client, "engine start", sh["start"], start_timeout_s + 120)
+
+
+def _in_use(path: Path) -> bool:
+    """A VM restored from it still runs (its disk backs that VM's overlay)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(path) in cmdline.read_bytes().decode(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def ensure(vm, config_file: Path, cache: Path, env: dict) -> Path:
+    """The serving snapshot for this stack file, built if missing. `vm` runs vm.py (local_deploy.vm)."""
+    root = cache / "testbed" / "serving"
+    root.mkdir(parents=True, exist_ok=True)
+    build_state = root / f"builder-{secrets.token_hex(4)}"
+    base = vm("snapshot", "--variant", "vllm", state=build_state, env=env)
+    cfg = stack_config(config_file, build_state)
+    steps = _steps(cfg)
+    sdir = root / snapshot_key(base, steps)
+    if (sdir / "manifest.json").exists():
+        return sdir
+    with open(f"{sdir}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (sdir / "manifest.json").exists():
+            return sdir
+        t0 = time.monotonic()
+        say(f"building {sdir} (once per runtime change): restoring the booted VM")
+        try:
+            vm("restore", "--variant", "vllm", state=build_state, env=env)
+            started = json.loads(provision(build_state, steps, cfg.runtime.start_timeout_s).strip().splitlines()[-1])
+            vm("save", "--to", str(sdir), "--label", json.dumps({"engine": runtime.unit_name(NODE), **started}),
+               state=build_state)
+        finally:
+            vm("stop", "--purge", state=build_state, check=False)
+        say(f"built in {time.monotonic() - t0:.0f} s (engine ready after {started['ready_after_s']} s)")
+    for stale in root.iterdir():  # older keys: a runtime that no longer deploys
+        if stale.is_dir() and stale != sdir and "." not in stale.name and not stale.name.startswith("builder-") \
+                and not _in_use(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    return sdir
