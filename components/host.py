@@ -8,11 +8,12 @@ to produce `connection` (address, port, user, private key as a secret).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pulumi
 
-from components import cloud, templates, tiers
+from components import cloud, cloud_types, templates, tiers
 from components.config import StackConfig
 from components.identity import HostIdentity
 from components.remote import RemoteStep
@@ -85,6 +86,27 @@ def pinned_connection(base: pulumi.Input[dict], ident: HostIdentity) -> pulumi.O
         lambda a: {**a[0], "hostKey": a[1], "bastionHostKey": a[2] or "", "identity": a[3]}))
 
 
+@dataclass(frozen=True)
+class HostFacts:
+    """What other components may know of a host; only Host reads the testbed's info.json."""
+
+    kind: str
+    """ssh, local-vm, or a cloud provider (hcloud, aws)."""
+    address: pulumi.Output
+    """Where operators and editors reach it: the configured address, the instance's, or 127.0.0.1 (test VM)."""
+    configured_address: str = ""
+    """fimfleet:host.address as configured ("" for the test VM and cloud instances)."""
+    forwards: dict[int, int] = field(default_factory=dict)
+    """Guest port -> local port of the test VM's user-mode network; empty elsewhere."""
+
+    @property
+    def provisioned(self) -> bool:
+        return self.kind in cloud_types.CLOUD_PROVIDERS
+
+    def public_port(self, port: int) -> int:
+        return self.forwards.get(port, port)
+
+
 class Host(pulumi.ComponentResource):
     """Connection, preflight (read-only, first), then packages."""
 
@@ -94,8 +116,11 @@ class Host(pulumi.ComponentResource):
         # host.provider hcloud / aws: create the instance first; first contact waits until sshd answers.
         self.instance = cloud.instance_for(f"{name}-cloud", cfg, opts=child)
         base = connection_for(cfg, self.instance.address if self.instance else None)
-        self.address = (self.instance.address if self.instance else
-                        cfg.host.address if cfg.host.kind == "ssh" else base.apply(lambda c: c["host"]))
+        self.address = pulumi.Output.from_input(
+            self.instance.address if self.instance else
+            cfg.host.address if cfg.host.kind == "ssh" else pulumi.Output.unsecret(base.apply(lambda c: c["host"])))
+        self.facts = HostFacts(kind=cfg.host.kind, address=self.address, configured_address=cfg.host.address or "",
+                               forwards=testbed_forwards(cfg.host.testbed_state) if cfg.host.kind == "local-vm" else {})
         first = pulumi.ResourceOptions(parent=self, depends_on=[self.instance] if self.instance else [])
         configured_key = cfg.host.host_key or (testbed_connection(cfg.host.testbed_state)["hostKey"]
                                                if cfg.host.kind == "local-vm" else "")

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pulumi
 
 from components import templates
-from components.cloud_types import CLOUD_PROVIDERS
 from components.config import StackConfig
-from components.host import testbed_forwards
+from components.host import HostFacts
 from components.ingress_render import (NGINX_DROPIN_PATH, IngressSpec, _is_ip, body_size_for, ingress_install_plan,
                                        metrics_cidrs, render_nginx_dropin)
 from components.remote import RemoteStep
@@ -94,31 +93,23 @@ def step_scripts(cfg: StackConfig, installs: list[dict]) -> dict[str, str]:
 class NginxIngress(pulumi.ComponentResource):
     """See module docstring. Outputs: endpoint, probe_endpoint, ca_pem, digest."""
 
-    def __init__(self, name: str, cfg: StackConfig, node: str, connection: pulumi.Input[dict],
+    def __init__(self, name: str, cfg: StackConfig, node: str, host: HostFacts, connection: pulumi.Input[dict],
                  extra_keys: dict[str, pulumi.Input[str]] | None = None, opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:ingress:NginxIngress", name, None, opts)
         extra_keys = extra_keys or {}
         child = pulumi.ResourceOptions(parent=self)
         i = cfg.ingress
         conn = pulumi.Output.from_input(connection)
-        cloud = cfg.host.kind in CLOUD_PROVIDERS
-        if cfg.host.kind == "local-vm":
-            fwd = testbed_forwards(cfg.host.testbed_state)
-            host_name, port = "127.0.0.1", fwd[i.https_port]
-            self.endpoint = pulumi.Output.from_input(endpoint_url(host_name, port))
-        else:
-            # A cloud instance's address exists only once the instance does: read it from the connection.
-            address = (pulumi.Output.unsecret(conn.apply(lambda c: c["host"])) if cloud
-                       else pulumi.Output.from_input(cfg.host.address))
-            self.endpoint = address.apply(lambda a: endpoint_url(public_name(cfg, a), i.https_port))
+        # The test VM's 443 is a forwarded local port; a cloud instance's address exists only once it does.
+        self.endpoint = host.address.apply(lambda a: endpoint_url(public_name(cfg, a), host.public_port(i.https_port)))
         self.probe_endpoint = self.endpoint
 
         if i.tls == "self-signed":
-            ips = [a for a in {cfg.host.address, "127.0.0.1"} if a and _is_ip(a)]
-            dns = sorted({n for n in (i.domain, cfg.host.address, "localhost") if n and not _is_ip(n)})
-            cert = SelfSignedCertificate(f"{name}-cert", common_name=i.domain or cfg.host.address or "localhost",
-                                         dns_names=dns, ip_addresses=(address.apply(lambda a: sorted({a, *ips}))
-                                                                      if cloud else sorted(ips)),
+            ips = [a for a in {host.configured_address, "127.0.0.1"} if a and _is_ip(a)]
+            dns = sorted({n for n in (i.domain, host.configured_address, "localhost") if n and not _is_ip(n)})
+            cert = SelfSignedCertificate(f"{name}-cert", common_name=i.domain or host.configured_address or "localhost",
+                                         dns_names=dns, ip_addresses=(host.address.apply(lambda a: sorted({a, *ips}))
+                                                                      if host.provisioned else sorted(ips)),
                                          validity_days=i.cert_validity_days, opts=child)
             cert_pem, key_pem, self.ca_pem = cert.certPem, cert.keyPem, cert.caPem
         elif i.tls == "provided":
@@ -129,7 +120,7 @@ class NginxIngress(pulumi.ComponentResource):
             cert_pem = key_pem = pulumi.Output.from_input("")
             self.ca_pem = pulumi.Output.from_input("")
 
-        server_name = i.domain or (cfg.host.address if cfg.host.kind == "ssh" else "localhost")
+        server_name = i.domain or (host.configured_address if host.kind == "ssh" else "localhost")
         rendered = pulumi.Output.all(cert_pem, key_pem, pulumi.Output.all(**extra_keys)).apply(
             lambda a: render_files(cfg, server_name, a[0], a[1], a[2]))
         staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))

@@ -32,7 +32,6 @@ from components import models, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.remote import RemoteStep
-from components.runtime import SERVICE_USER
 
 ETC = "/etc/fimfleet"
 DETECT_BUDGET_S = 60
@@ -110,11 +109,12 @@ def env_file(s: Settings, *, unit: str, container: str, service_user: str, grace
         metrics_timeout_s=s.metrics_timeout_s, restart_timeout_s=RESTART_TIMEOUT_S, probe_body=probe_body)
 
 
-def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str) -> list[dict]:
+def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str, *, service_user: str = "",
+                 container: str = "") -> list[dict]:
+    """unit, service_user (systemd runtime) and container (docker runtime) are the runtime's outputs."""
     n = names(node)
     s = settings(cfg)
-    env = env_file(s, unit=unit, container=f"vllm-{node}" if cfg.runtime.kind == "docker" else "",
-                   service_user=SERVICE_USER if cfg.runtime.kind == "systemd" else "",
+    env = env_file(s, unit=unit, container=container, service_user=service_user,
                    grace_s=cfg.runtime.start_timeout_s, probe_url=f"https://127.0.0.1:{cfg.ingress.https_port}",
                    metrics_url=f"http://127.0.0.1:{cfg.engine.port}/metrics", key_file=n["key_file"],
                    ca_file=n["ca_file"], model=served_name(cfg), fim=cfg.model_spec.fim if cfg.model_spec else None)
@@ -147,10 +147,12 @@ class Monitor(pulumi.ComponentResource):
     """Probe + recovery timer for one node's engine; see module docstring."""
 
     def __init__(self, name: str, cfg: StackConfig, node: str, unit: str, connection: pulumi.Input[dict],
-                 probe_key: pulumi.Input[str], ca_pem: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None):
+                 probe_key: pulumi.Input[str], ca_pem: pulumi.Input[str], service_user: str = "", container: str = "",
+                 opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:monitor:Monitor", name, None, opts)
         n = names(node)
-        files = pulumi.Output.all(probe_key, ca_pem).apply(lambda a: render_files(cfg, node, unit, a[0], a[1]))
+        files = pulumi.Output.all(probe_key, ca_pem).apply(lambda a: render_files(
+            cfg, node, unit, a[0], a[1], service_user=service_user, container=container))
         sh = scripts(cfg, node, unit)
         self.step = RemoteStep(f"{name}-timer", label="monitor timer", connection=connection, files=files,
                                apply=sh["apply"], check=sh["check"], destroy=sh["destroy"],

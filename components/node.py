@@ -1,6 +1,6 @@
 """InferenceNode: one host from bare to serving, in dependency order.
 
-host (preflight, packages) -> kernel tuning -> vLLM runtime -> nginx ingress -> monitor
+host preflight -> (packages || kernel tuning) -> (vLLM runtime || nginx ingress) -> monitor
 -> FIM SLA check -> Prometheus and node_exporter. The SLA check's trigger hashes everything deployed before it, so any
 change upstream measures again and an unchanged stack does not.
 """
@@ -11,7 +11,7 @@ import dataclasses
 
 import pulumi
 
-from components import editors, keys, monitoring, templates
+from components import editors, keys, models, monitoring, sizing, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
@@ -29,6 +29,14 @@ def sla_thresholds(cfg: StackConfig) -> SlaThresholds:
                          min_decode_tokens_per_s=s.min_decode_tokens_per_s, max_errors=s.max_errors)
 
 
+def decode_ceiling_input(cfg: StackConfig, bandwidth_bytes_per_s: float | None) -> dict | None:
+    """The SLA report's decode ceiling: the node's measured bandwidth over the bytes read per token."""
+    if not bandwidth_bytes_per_s or cfg.model_spec is None or cfg.model.quantization not in models.QUANTIZATIONS:
+        return None
+    per_token = sizing.decode_weight_bytes(cfg.model_spec, models.QUANTIZATIONS[cfg.model.quantization], cfg.engine.dtype)
+    return {"bandwidth_bytes_per_s": bandwidth_bytes_per_s, "active_weight_bytes_per_token": per_token}
+
+
 class InferenceNode(pulumi.ComponentResource):
     """A tuned, TLS-protected, monitored and SLA-checked vLLM node."""
 
@@ -39,16 +47,19 @@ class InferenceNode(pulumi.ComponentResource):
 
         self.host = Host(f"{name}-host", cfg, opts=child())
         conn = self.host.connection
-        self.kernel = KernelTuning(f"{name}-kernel", cfg, conn, opts=child(self.host))
-        self.runtime = VllmRuntime(f"{name}-runtime", cfg, node=name, connection=conn, opts=child(self.kernel))
+        # What does not depend on each other overlaps: kernel tuning with the packages, nginx with
+        # the engine start. The monitor needs both the unit and the ingress; the SLA gate, everything.
+        self.kernel = KernelTuning(f"{name}-kernel", cfg, conn, opts=child(self.host.preflight))
+        self.runtime = VllmRuntime(f"{name}-runtime", cfg, node=name, connection=conn, opts=child(self.host, self.kernel))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
         self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=cfg.monitor.probe_key_rotation, opts=child())
         probe_key = pulumi.Output.secret(self.probe_key.key)
-        self.ingress = NginxIngress(f"{name}-ingress", cfg, node=name, connection=conn,
-                                    extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(self.runtime))
+        self.ingress = NginxIngress(f"{name}-ingress", cfg, node=name, host=self.host.facts, connection=conn,
+                                    extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(self.host))
         model = served_name(cfg)
         self.monitor = Monitor(f"{name}-monitor", cfg, node=name, unit=self.runtime.unit, connection=conn,
-                               probe_key=probe_key, ca_pem=self.ingress.ca_pem, opts=child(self.ingress))
+                               probe_key=probe_key, ca_pem=self.ingress.ca_pem, service_user=self.runtime.service_user,
+                               container=self.runtime.container, opts=child(self.runtime, self.ingress))
         self.endpoint = self.ingress.endpoint
         # The host identity is part of it: a rebuilt or replaced host is measured again, so the
         # report in the outputs always belongs to the host that serves now.
@@ -60,7 +71,9 @@ class InferenceNode(pulumi.ComponentResource):
             self.sla = FimSlaCheck(
                 f"{name}-sla", endpoint=self.ingress.probe_endpoint, api_key=probe_key, ca_pem=self.ingress.ca_pem,
                 model=model, thresholds=sla_thresholds(cfg), samples=s.samples, warmup=s.warmup,
-                concurrency=s.concurrency, max_tokens=s.max_tokens, trigger=trigger, opts=child(self.monitor))
+                concurrency=s.concurrency, max_tokens=s.max_tokens, trigger=trigger,
+                ceiling=self.runtime.bandwidth_bytes_per_s.apply(lambda bw: decode_ceiling_input(cfg, bw)),
+                opts=child(self.monitor))
         # Prometheus on the node, after the gate so it never loads the host while the SLA is measured.
         self.monitoring = None
         if cfg.monitoring.enabled:

@@ -69,13 +69,60 @@ def test_dependency_order(recorder):
             return {name_of.get(u, u) for u in regs[name]["deps"]}
 
         assert "node-host-preflight" in deps("node-host-packages")
-        assert "node-host-packages" in deps("node-kernel")
-        assert "node-kernel-apply" in deps("node-runtime")
+        assert "node-host-preflight" in deps("node-kernel")
+        assert {"node-host-packages", "node-kernel-apply"} <= deps("node-runtime")
         assert "node-runtime-install" in deps("node-runtime-model")
         assert "node-runtime-model" in deps("node-runtime-service")
-        assert "node-runtime-service" in deps("node-ingress")
-        assert "node-ingress-nginx" in deps("node-monitor")
+        assert "node-host-packages" in deps("node-ingress")
+        assert {"node-ingress-nginx", "node-runtime-service"} <= deps("node-monitor")
         assert "node-monitor-timer" in deps("node-sla")
+
+
+@pulumi.runtime.test
+def test_only_what_needs_the_engine_waits_for_it_and_the_rest_overlaps(recorder):
+    """Nothing that needs the engine (monitor, SLA gate, Prometheus) can run before its start has
+    finished, and what does not need it (kernel tuning, nginx) does not wait for it."""
+    fleet = build()
+
+    def check(_):
+        regs = by_name(recorder)
+        name_of = {r["urn"]: n for n, r in regs.items()}
+        children = {}
+        for n, r in regs.items():
+            children.setdefault(name_of.get(r["parent"]), set()).add(n)
+
+        def descendants(name):
+            out = set()
+            for c in children.get(name, ()):
+                out |= {c} | descendants(c)
+            return out
+
+        def closure(name):
+            """What `name` waits for: its deps (a component's: all its descendants too), and what its
+            parent waits for (a child registers only once its parent has, never before its deps)."""
+            waits, todo = set(), [name]
+            while todo:
+                n = todo.pop()
+                parent = name_of.get(regs[n]["parent"])
+                direct = [name_of.get(u, u) for u in regs[n]["deps"]]
+                for d in [x for x in direct if x in regs]:
+                    for w in {d} | descendants(d):
+                        if w not in waits:
+                            waits.add(w)
+                            todo.append(w)
+                if parent in regs and parent not in waits:
+                    waits.add(parent)
+                    todo.append(parent)
+            return waits
+
+        for needs_engine in ("node-monitor-timer", "node-sla", "node-monitoring"):
+            assert "node-runtime-service" in closure(needs_engine), needs_engine
+        for independent in ("node-kernel-apply", "node-ingress-nginx", "node-host-packages"):
+            assert "node-runtime-service" not in closure(independent), independent
+        assert "node-host-packages" not in closure("node-kernel-apply")
+
+    node = fleet.nodes["node"]
+    return pulumi.Output.all(settle(fleet), node.monitoring.urn).apply(check)
 
     return settle(fleet).apply(check)
 
