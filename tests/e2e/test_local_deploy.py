@@ -1,12 +1,13 @@
 """End to end: the real Pulumi CLI deploys the `local` stack onto a fresh test VM.
 
-One VM and one stack for the module, steps in order (each names what failed and where):
-up → live kernel values → ingress keys/streaming/ACLs → monitor → Prometheus → no-op second up →
-drift repaired by `up --refresh` → impossible SLA fails and the node keeps serving →
-a changed host key is refused → a killed `up` leaves a lock the demo clears → destroy restores
-the defaults. A replaced host (new identity: every step applied again) is covered against a
-real sshd in tests/integration/test_remote_ssh.py, destroy on an unreachable host in
-tests/unit/test_providers.py; a second full engine start here would cost about 10 minutes of CI.
+One stack for the module, steps in order (each names what failed and where):
+up (adopting the engine of a VM restored from the serving snapshot) → live kernel values →
+ingress keys/streaming/ACLs → monitor → Prometheus → no-op second up → drift repaired by
+`up --refresh` → impossible SLA fails and the node keeps serving → a changed host key is
+refused → a killed `up` leaves a lock the demo clears → a certificate near its end is
+reissued → the demo after `vm.py stop` converges on a fresh VM → a host wiped under the same
+address is found by `up --refresh` → destroy restores the defaults → destroy with the host
+gone ends with a warning.
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ def node(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("FIMFLEET_BACKEND_URL", f"file://{n.tmp / 'state'}")
     paths = ld.prepare()
-    ld.start_vm(n.state, paths["wheelhouse"])
+    n.wheelhouse = paths["wheelhouse"]
     n.model_dir = paths["model_dir"]
     ld.stack_config(n.config_file, n.state, paths["model_dir"])
+    # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
+    # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
+    # build (whenever the runtime changes) and in the integration tests against real vLLM.
+    ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file)
     t0 = time.monotonic()
     proc = n.pulumi("up", "--yes", "--skip-preview")
     n.up_seconds = time.monotonic() - t0
@@ -104,8 +109,19 @@ def test_01_up_succeeds_with_an_sla_report(node):
     out = node.outputs()
     assert out["slaPassed"] is True
     assert "TTFT" in out["slaReport"] or "ttft" in out["slaReport"]
+    # The node's measured memory bandwidth over the weight bytes read per token (issue 13).
+    dc = out["decodeCeiling"]
+    assert "decode ceiling" in out["slaReport"], out["slaReport"]
+    assert dc["bandwidth_bytes_per_s"] > 1e8 and dc["ceiling_tokens_per_s"] > 0 and dc["efficiency_pct"] > 0, dc
     (ld.ROOT / ".work").mkdir(exist_ok=True)
     (ld.ROOT / ".work" / "e2e-first-up-seconds").write_text(f"{node.up_seconds:.0f}\n")
+
+
+def test_01a_the_first_up_adopted_the_snapshots_serving_engine(node):
+    """No second engine start: start.sh found the engine serving exactly the unit files it deploys."""
+    state = json.loads(ld.fimfleet_pulumi("stack", "export", "-s", "local"))
+    step = next(r for r in state["deployment"]["resources"] if r["urn"].endswith("::node-runtime-service"))
+    assert json.loads(step["outputs"]["stdout"].strip().splitlines()[-1]) == {"ready_after_s": 0, "adopted": True}
 
 
 def test_01b_state_holds_no_secret_in_plain_text(node):
@@ -309,9 +325,58 @@ def test_07c_a_killed_up_leaves_a_lock_that_the_demo_clears(node):
     assert node.pulumi("up", "--yes", "--skip-preview").returncode == 0
 
 
+def test_07d_a_certificate_near_its_end_is_reissued_by_up(node):
+    """A short validity (29 days, under the 30-day renewal window) makes the certificate
+    reissue as soon as it outlives the setting, and every later preview plans it again."""
+    first = _served_not_after(node)
+    node.pulumi("config", "set", "--path", "fimfleet:ingress.certValidityDays", "29", check=True)
+    try:
+        proc = node.pulumi("up", "--yes", "--skip-preview")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        assert re.search(r"node-ingress-cert +replaced", proc.stdout), proc.stdout[-4000:]
+        short = _served_not_after(node)
+        left = short - dt.datetime.now(dt.timezone.utc)
+        assert short < first and dt.timedelta(days=28) < left <= dt.timedelta(days=29), (first, short)
+        preview = node.pulumi("preview", "--json")
+        assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
+        ops = {st["urn"].rsplit("::", 1)[-1]: st["op"] for st in json.loads(preview.stdout).get("steps", [])}
+        assert ops.get("node-ingress-cert") == "replace", ops  # 29 days left: under the renewal window
+    finally:
+        node.pulumi("config", "rm", "--path", "fimfleet:ingress.certValidityDays", check=True)
+    proc = node.pulumi("up", "--yes", "--skip-preview")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert _served_not_after(node) - dt.datetime.now(dt.timezone.utc) > dt.timedelta(days=360)
+    one_completion(node)  # verified against caPem: every editor config follows the new certificate
+
+
+def test_07e_the_demo_after_the_vm_was_stopped_converges_on_a_fresh_one(node, capfd):
+    """demo -> `vm.py stop` -> demo: a fresh VM (new ports, no fimfleet identity) gets every step
+    again and a report measured on it, never the old one's."""
+    before = node.outputs()["slaReport"]
+    ld.stop_vm(node.state)
+    capfd.readouterr()
+    assert ld.main(["--state", str(node.state), "--config-file", str(node.config_file)]) == 0
+    shown = capfd.readouterr().out
+    assert "SLA report, measured in this run" in shown, shown[-3000:]
+    assert node.outputs()["slaReport"] != before
+    one_completion(node)
+
+
+def test_07f_a_host_wiped_under_the_same_address_is_found_by_refresh(node):
+    """Same address and port, nothing of fimfleet left: `up --refresh` finds every step gone and applies it again."""
+    ld.stop_vm(node.state)
+    ld.start_vm(node.state, node.wheelhouse, serving_config=node.config_file, same_ports=True)
+    proc = node.pulumi("up", "--refresh", "--yes", "--skip-preview")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    for step in ("node-kernel-apply", "node-ingress-nginx", "node-monitor-timer", "node-sla"):
+        assert re.search(rf"{step} +updated", proc.stdout), f"{step} was not applied again:\n{proc.stdout[-5000:]}"
+    one_completion(node)
+
+
 def test_08_destroy_removes_what_fimfleet_installed(node):
     _, before, _ = node.ssh("cat /var/lib/fimfleet/kernel/defaults.conf")
     default_swappiness = re.search(r"^vm.swappiness = (\d+)", before, re.M).group(1)
+    ld.fimfleet_pulumi("stack", "export", "-s", "local", "--file", str(node.tmp / "deployed.json"))  # for test_08b
     proc = node.pulumi("destroy", "--yes")
     assert proc.returncode == 0, proc.stdout[-5000:]
     # node.ssh runs under `set -euo pipefail`: every expected failure is guarded with || true.
@@ -326,3 +391,18 @@ def test_08_destroy_removes_what_fimfleet_installed(node):
     assert lines[1] == "3", f"fimfleet files left behind: {out}"
     assert lines[2] == "not-found", f"the engine unit is still known to systemd: {out}"
     assert lines[3] == "0", "nginx, installed by fimfleet, was not removed"
+
+
+def test_08b_destroy_with_the_host_gone_finishes_with_a_warning(node):
+    """The deployed state again (test_08 exported it), but its host is gone: every destroy step is
+    skipped with a warning that names the host, and the stack ends empty."""
+    ld.fimfleet_pulumi("stack", "import", "-s", "local", "--file", str(node.tmp / "deployed.json"))
+    ld.stop_vm(node.state)
+    port = json.loads((node.state / "info.json").read_text())["ports"]["22"]
+    proc = node.pulumi("destroy", "--yes")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-5000:]
+    assert f"cannot reach root@127.0.0.1:{port}" in text and "fimfleet:host.gone: true" in text, text[-5000:]
+    assert "Traceback" not in text, text[-5000:]
+    left = json.loads(ld.fimfleet_pulumi("stack", "export", "-s", "local"))["deployment"].get("resources") or []
+    assert not left, [r["urn"] for r in left]
