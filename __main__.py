@@ -19,6 +19,8 @@ pulumi.export("model", node.model)
 pulumi.export("tier", cfg.tier.name)
 pulumi.export("caPem", node.ingress.ca_pem)
 pulumi.export("memoryPlan", cfg.memory.explain() if cfg.memory else "")
+# The plan's KV token capacity beside what vLLM allocated on the node, and the error in %.
+pulumi.export("kvCache", node.kv_cache)
 # Per user key: editorConfigs.<name>.continueYaml and .cursorNotes, all secret (components/editors.py).
 pulumi.export("editorConfigs", node.editor_configs)
 pulumi.export("curlSmokeTest", node.curl)

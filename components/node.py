@@ -86,6 +86,7 @@ class InferenceNode(pulumi.ComponentResource):
                 ca_pems={name: self.ingress.ca_pem} if cfg.ingress.tls != "acme" else None,
                 opts=child(self.sla or self.monitor))
         self.model = model
+        self.kv_cache = self.runtime.kv_cache_tokens.apply(lambda v: sizing.kv_capacity_report(cfg.memory, v))
         ed = editors.args_for(cfg)
         # One set of editor outputs per user key, each holding only that user's key.
         self.editor_configs = {

@@ -129,6 +129,7 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
                                   ready_body=models.readiness_body(cfg.model_spec, engine.served_name(cfg)),
                                   files=unit_paths(node), **kw),
         "check": templates.render("runtime/check.sh.j2", **kw),
+        "kv_capacity": templates.render("runtime/kv-capacity.sh.j2", port=cfg.engine.port),
         "destroy": templates.render("runtime/destroy.sh.j2", **kw),
     }
     if cfg.runtime.kind == "systemd":
@@ -140,14 +141,14 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
     return out
 
 
-def bandwidth_from(stdout: str | None) -> float | None:
-    """bandwidth.py's figure from the step's output (None when it printed none)."""
+def reported(stdout: str | None, key: str) -> float | None:
+    """A positive figure from the last JSON line of a step's output (None when it printed none)."""
     for line in reversed((stdout or "").strip().splitlines()):
         try:
-            value = json.loads(line).get("bandwidth_bytes_per_s")
+            value = json.loads(line).get(key)
         except (ValueError, AttributeError):
             continue
-        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
     return None
 
 
@@ -192,7 +193,7 @@ class VllmRuntime(pulumi.ComponentResource):
                 files=[{"path": BANDWIDTH_SCRIPT, "mode": "0644", "content": script}], apply=sh["bandwidth"],
                 destroy=f"rm -f {shlex.quote(BANDWIDTH_SCRIPT)}", timeout_s=300,
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
-            self.bandwidth_bytes_per_s = bandwidth.stdout.apply(bandwidth_from)
+            self.bandwidth_bytes_per_s = bandwidth.stdout.apply(lambda out: reported(out, "bandwidth_bytes_per_s"))
             before_start.append(bandwidth)
 
         files = service_files(node, r)
@@ -202,4 +203,9 @@ class VllmRuntime(pulumi.ComponentResource):
             apply=sh["start"], check=sh["check"], destroy=sh["destroy"],
             triggers=[self.digest], timeout_s=cfg.runtime.start_timeout_s + 120,
             opts=pulumi.ResourceOptions(parent=self, depends_on=before_start))
+        # What vLLM allocated, read again after every (re)start, for the outputs beside the sizing model's plan.
+        kv = RemoteStep(f"{name}-kv-capacity", label="KV cache capacity", connection=connection,
+                        apply=sh["kv_capacity"], triggers=[self.digest], timeout_s=60,
+                        opts=pulumi.ResourceOptions(parent=self, depends_on=[self.service]))
+        self.kv_cache_tokens = kv.stdout.apply(lambda out: reported(out, "kv_cache_tokens"))
         self.register_outputs({"unit": self.unit, "digest": self.digest})

@@ -108,6 +108,13 @@ def plan_gpu(model, quant, *, vram_bytes_per_gpu, gpus, utilization, max_model_l
     )
 
 
+def kv_capacity_report(plan: MemoryPlan | None, vllm_tokens: int | None) -> dict:
+    """The plan's KV token capacity beside what vLLM allocated (its cache_config_info), and the error."""
+    predicted = plan.kv_budget // plan.kv_per_token if plan and plan.kv_per_token else None
+    error = round(100.0 * (predicted - vllm_tokens) / vllm_tokens, 2) if predicted and vllm_tokens else None
+    return {"predicted_tokens": predicted, "vllm_tokens": int(vllm_tokens) if vllm_tokens else None, "error_pct": error}
+
+
 def decode_weight_bytes(model: ModelSpec, quant: Quantization, dtype: str = "auto") -> int:
     """Weight bytes one decode step reads: all of them (these models are dense), an unquantized
     model in the engine's dtype (float32: 4 bytes a parameter, as the local test model runs)."""

@@ -128,10 +128,13 @@ TIERS: dict[str, Tier] = {
              gpu_memory_utilization=0.92, runtime="docker", start_timeout_s=1800,
              sla={"ttftP50Ms": 100, "ttftP95Ms": 200, "ttftP99Ms": 350, "minDecodeTokensPerS": 45}),
         # The emulated test VM (QEMU TCG): AVX2 only, float32, tiny random model; slow by nature.
+        # Its TTFT moves 2x with the host's load (p50 2.3-4.1 s, max up to 6.1 s, measured in the
+        # e2e beside the integration tests), so its limits leave that much room; the gate itself
+        # is what the VM tests (an impossible SLA must fail `up`).
         Tier("local-vm", "cpu", "tiny-qwen2-fim", "fp32", 2, 8, 5, ("avx2",), max_steal_percent=100.0,
              max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=1024, kv_cache_gib=1, dtype="float32",
              start_timeout_s=1500, test_only=True,
-             sla={"ttftP50Ms": 3000, "ttftP95Ms": 6000, "ttftP99Ms": 8000, "minDecodeTokensPerS": 1,
+             sla={"ttftP50Ms": 8000, "ttftP95Ms": 12000, "ttftP99Ms": 15000, "minDecodeTokensPerS": 1,
                   "samples": 6, "warmup": 2, "maxTokens": 8}),
     )
 }

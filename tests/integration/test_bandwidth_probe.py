@@ -15,4 +15,4 @@ def test_the_bandwidth_probe_measures_this_machine(vllm_python):
     out = json.loads(proc.stdout)
     assert out["processes"] == len(os.sched_getaffinity(0))
     # a few hundred MB/s at the very least, even on an emulated or loaded CPU
-    assert runtime.bandwidth_from(proc.stdout) == out["bandwidth_bytes_per_s"] > 2e8
+    assert runtime.reported(proc.stdout, "bandwidth_bytes_per_s") == out["bandwidth_bytes_per_s"] > 2e8

@@ -101,6 +101,7 @@ def hostile_renders(payload: str):
                      cache_dir=payload)
     yield "pull-image", r("runtime/pull-image.sh.j2", image=payload)
     yield "bandwidth", r("runtime/bandwidth.sh.j2", venv=payload, script=payload)
+    yield "kv-capacity", r("runtime/kv-capacity.sh.j2", port=payload)
     yield "start", r("runtime/start.sh.j2", unit=payload, served_name=payload, port=payload, timeout_s=0,
                      **_start_extras(payload))
     yield "runtime-destroy", r("runtime/destroy.sh.j2", unit=payload, kind="docker", container=payload,

@@ -251,6 +251,28 @@ def test_the_early_exit_rule_catches_the_pattern():
 
 def test_the_bandwidth_step_output_is_read_back_and_a_missing_figure_is_none():
     line = '{"bandwidth_bytes_per_s": 13702047957.0, "processes": 2}'
-    assert runtime.bandwidth_from(f"noise\n{line}\n") == 13702047957.0
-    assert runtime.bandwidth_from("") is None and runtime.bandwidth_from('{"bandwidth_bytes_per_s": 0}') is None
+    assert runtime.reported(f"noise\n{line}\n", "bandwidth_bytes_per_s") == 13702047957.0
+    assert runtime.reported("", "bandwidth_bytes_per_s") is None
+    assert runtime.reported('{"bandwidth_bytes_per_s": 0}', "bandwidth_bytes_per_s") is None
 
+
+METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="False",num_cpu_blocks="None",num_gpu_blocks="16384"} 1.0
+vllm:num_requests_running{engine="0"} 0.0
+"""
+
+
+@pytest.mark.parametrize("metrics, tokens", [(METRICS, 16384 * 128), ("vllm:num_requests_running 0.0\n", None)])
+def test_the_kv_capacity_step_reads_what_vllm_allocated(tmp_path, metrics, tokens):
+    """files/runtime/kv-capacity.sh.j2 against a stub curl serving vLLM's own metric line."""
+    cfg = cfg_for()
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (tmp_path / "metrics").write_text(metrics)
+    (stubs / "curl").write_text(f"#!/bin/sh\ncat {tmp_path / 'metrics'}\n")
+    (stubs / "curl").chmod(0o755)
+    script = runtime.scripts(cfg, "node")["kv_capacity"]
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{stubs}:/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert runtime.reported(proc.stdout, "kv_cache_tokens") == tokens

@@ -81,3 +81,13 @@ def test_kv_cache_takes_the_models_dtype_unless_fp8(kv_cache_dtype, dtype, token
     tiny = dataclasses.replace(Q7, layers=2, kv_heads=1, head_dim=64)
     per_token = sizing.kv_bytes_per_token(tiny, sizing.kv_dtype_bytes(kv_cache_dtype, dtype))
     assert GIB // per_token == tokens_per_gib
+
+
+def test_the_kv_report_puts_the_plan_beside_vllms_count():
+    plan = sizing.MemoryPlan(weights=1, kv_per_token=512, kv_needed=0, kv_budget=1 << 30, overhead=0, capacity=1 << 40,
+                             min_tokens=1)
+    assert sizing.kv_capacity_report(plan, 2_097_152) == {"predicted_tokens": 2_097_152, "vllm_tokens": 2_097_152,
+                                                         "error_pct": 0.0}
+    assert sizing.kv_capacity_report(plan, 1_048_576)["error_pct"] == 100.0  # a plan twice what vLLM gave
+    assert sizing.kv_capacity_report(None, 5)["predicted_tokens"] is None
+    assert sizing.kv_capacity_report(plan, None)["error_pct"] is None

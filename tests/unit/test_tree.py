@@ -195,6 +195,7 @@ def test_changed_value_changes_only_its_resources():
     assert _changed(base, _inputs_for(monitor={"intervalS": 30})) == [
         "node-monitor-timer", "node-monitoring-exporter", "node-monitoring-prometheus"]
     assert _changed(base, _inputs_for(monitoring={"retention": "30d"})) == ["node-monitoring-prometheus"]
-    assert _changed(base, _inputs_for(engine={"maxNumSeqs": 8})) == ["node-runtime-service", "node-sla"]
+    assert _changed(base, _inputs_for(engine={"maxNumSeqs": 8})) == [
+        "node-runtime-kv-capacity", "node-runtime-service", "node-sla"]  # what vLLM allocated is read again
     assert _changed(base, _inputs_for(ingress={"ratePerSecond": 5})) == [
         "node-ingress-nginx", "node-sla"]
