@@ -60,9 +60,8 @@ def _steps(cfg: config.StackConfig) -> dict:
 
 def snapshot_key(base: dict, steps: dict) -> str:
     """The booted snapshot it grows from, and everything that reaches the engine."""
-    return templates.digest(base["dir"], base.get("created_at"), steps["packages"], steps["scripts"], steps["files"],
-                            steps["lock"],
-                            steps["remote_model"], remote.dir_digest(steps["model"]))
+    return templates.digest(base["dir"], base.get("created_at"), steps["packages"], steps["scripts"],
+                            steps["files"], steps["lock"], steps["remote_model"], remote.dir_digest(steps["model"]))
 
 
 def _run(client, what: str, script: str, timeout_s: float) -> str:
