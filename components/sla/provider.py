@@ -109,8 +109,10 @@ def _normalize_props(props: Mapping[str, Any]) -> tuple[dict[str, Any], list[tup
     ceiling = props.get("ceiling")
     if _is_unknown(ceiling):
         out["ceiling"] = ceiling
-    elif ceiling not in (None, {}):
-        values = {k: (ceiling or {}).get(k) if isinstance(ceiling, Mapping) else None for k in _CEILING_KEYS}
+    elif not isinstance(ceiling, Mapping) and ceiling is not None:
+        failures.append(("ceiling", f"ceiling must be a mapping of {', '.join(_CEILING_KEYS)}, got {ceiling!r}"))
+    elif ceiling:
+        values = {k: ceiling.get(k) for k in _CEILING_KEYS}
         if all(v is None for v in values.values()):
             pass  # nothing measured (a runtime without the bandwidth step): no ceiling line
         elif all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values.values()):

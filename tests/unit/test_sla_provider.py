@@ -418,7 +418,8 @@ def test_the_measured_bandwidth_puts_the_decode_ceiling_in_the_report(fake):
 
 @pytest.mark.parametrize("bad", [{"bandwidth_bytes_per_s": -1, "active_weight_bytes_per_token": 2e9},
                                  {"bandwidth_bytes_per_s": 1e9}, {"bandwidth_bytes_per_s": "fast",
-                                                                  "active_weight_bytes_per_token": 1}])
+                                                                  "active_weight_bytes_per_token": 1},
+                                 "fast", 12.5])
 def test_a_malformed_ceiling_is_a_readable_check_failure(fake, bad):
     failures = FimSlaCheckProvider().check({}, _props(fake, ceiling=bad)).failures
     assert [f.property for f in failures] == ["ceiling"], failures
