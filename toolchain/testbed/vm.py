@@ -581,7 +581,7 @@ def make_snapshot(variant: str, mem: str, smp: int, force: bool = False) -> dict
             state = wait_booted(vm)
             boot_s = time.monotonic() - t0
             log(f"snapshot: system {state} after {boot_s:.1f}s; dropping caches")
-            _freeze(vm, tmp)
+            mem_state = _freeze(vm, tmp)
             vm.stop()  # the frozen disk and the key the guest trusts stay in tmp
             save_s = time.monotonic() - t0 - boot_s
         except BaseException:
@@ -590,7 +590,6 @@ def make_snapshot(variant: str, mem: str, smp: int, force: bool = False) -> dict
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        mem_state = os.path.join(tmp, "mem.state")
         info = vm.info()
         snap = {
             "dir": sdir,
