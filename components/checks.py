@@ -193,6 +193,25 @@ def check_sla_fits_the_ingress(sla, ingress, problems):
                                 "runs from one address; raise that limit or lower the concurrency"))
 
 
+def check_sla_ceiling(sla, runtime, model, spec, problems):
+    """A limit relative to the decode ceiling needs the ceiling: the systemd runtime's bandwidth
+    probe, a model whose weight bytes per token are known, and 2+ tokens per request."""
+    fraction = sla.min_decode_ceiling_fraction
+    if fraction is None:
+        return
+    if runtime.kind is not None and runtime.kind != "systemd":
+        problems.append(Problem("sla.minDecodeCeilingFraction", fraction,
+                                f"needs runtime.kind systemd (its bandwidth probe measures the ceiling; runtime.kind is "
+                                f"{runtime.kind}): set sla.minDecodeTokensPerS instead"))
+    if model.quantization is not None and (spec is None or model.quantization not in models.QUANTIZATIONS):
+        problems.append(Problem("sla.minDecodeCeilingFraction", fraction,
+                                "needs a model whose weight bytes per token are known (a model from components/models.py "
+                                "and a known model.quantization): set sla.minDecodeTokensPerS instead"))
+    if _have(sla.max_tokens) and sla.max_tokens < 2:
+        problems.append(Problem("sla.maxTokens", sla.max_tokens, "must be 2 or more when sla.minDecodeCeilingFraction is set "
+                                "(decode rate needs a second token)"))
+
+
 def check_ports(engine, ingress, problems):
     """The engine listens on loopback, nginx on all addresses: one port cannot serve both."""
     for k in ("https_port", "http_port"):

@@ -184,6 +184,9 @@ class SlaConfig:
     ttft_p95_ms: float = key(check=_range(0.001, 10**6))
     ttft_p99_ms: float = key(check=_range(0.001, 10**6))
     min_decode_tokens_per_s: float = key(check=_range(0, 10**6))
+    min_decode_ceiling_fraction: float = key(check=lambda v: None if 0 < v <= 1 else "must be a fraction in (0, 1], e.g. 0.7")
+    """The median decode rate as a fraction of the node's decode ceiling (systemd runtime only:
+    its bandwidth probe measures the ceiling). Unset: not checked."""
     samples: int = key(check=_range(1, 10000), default=20)
     warmup: int = key(check=_range(0, 1000), default=3)
     concurrency: int = key(check=_range(1, 256), default=1)
@@ -359,6 +362,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     checks.check_kernel(sec["kernel"], problems)
     checks.check_ports(engine, ingress, problems)
     checks.check_sla_fits_the_ingress(sla, ingress, problems)
+    checks.check_sla_ceiling(sla, runtime, model, model_spec, problems)
 
     memory = None
     needed = (host.memory_gib, host.gpu_memory_gib, engine.kv_cache_gib, engine.max_model_len, engine.max_num_seqs,

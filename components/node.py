@@ -26,7 +26,8 @@ from components.sla.thresholds import SlaThresholds
 def sla_thresholds(cfg: StackConfig) -> SlaThresholds:
     s = cfg.sla
     return SlaThresholds(ttft_p50_ms=s.ttft_p50_ms, ttft_p95_ms=s.ttft_p95_ms, ttft_p99_ms=s.ttft_p99_ms,
-                         min_decode_tokens_per_s=s.min_decode_tokens_per_s, max_errors=s.max_errors)
+                         min_decode_tokens_per_s=s.min_decode_tokens_per_s,
+                         min_decode_ceiling_fraction=s.min_decode_ceiling_fraction, max_errors=s.max_errors)
 
 
 def decode_ceiling_input(cfg: StackConfig, bandwidth_bytes_per_s: float | None) -> dict | None:

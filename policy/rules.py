@@ -32,7 +32,7 @@ MIN_SECRET_CHARS = 16
 
 SLA_LIMITS = {"ttft_p50_ms": ("ttftP50Ms", "max"), "ttft_p95_ms": ("ttftP95Ms", "max"),
               "ttft_p99_ms": ("ttftP99Ms", "max"), "min_decode_tokens_per_s": ("minDecodeTokensPerS", "min"),
-              "max_errors": ("maxErrors", "max")}
+              "min_decode_ceiling_fraction": ("minDecodeCeilingFraction", "min"), "max_errors": ("maxErrors", "max")}
 """FimSlaCheck threshold -> (fimfleet:sla config key, which side is stricter)."""
 
 WORLD = {4: ipaddress.ip_network("0.0.0.0/0"), 6: ipaddress.ip_network("::/0")}

@@ -120,8 +120,10 @@ def _normalize_props(props: Mapping[str, Any]) -> tuple[dict[str, Any], list[tup
         else:
             failures.append(("ceiling", f"ceiling needs positive numbers {', '.join(_CEILING_KEYS)}, got {ceiling!r}"))
     if isinstance(out.get("max_tokens"), int) and out["max_tokens"] < 2 and \
-            isinstance(out.get("thresholds"), dict) and out["thresholds"].get("min_decode_tokens_per_s"):
-        failures.append(("max_tokens", "min_decode_tokens_per_s needs max_tokens >= 2"))
+            isinstance(out.get("thresholds"), dict):
+        for name in ("min_decode_tokens_per_s", "min_decode_ceiling_fraction"):
+            if out["thresholds"].get(name):
+                failures.append(("max_tokens", f"{name} needs max_tokens >= 2"))
     return out, failures
 
 

@@ -34,6 +34,9 @@ class SlaThresholds:
     """Upper limit for p99 TTFT (nearest rank: the max when samples < 100)."""
     min_decode_tokens_per_s: Optional[float] = None
     """Lower limit for the median per-request decode rate, (tokens-1)/(total-TTFT); 0 = not checked."""
+    min_decode_ceiling_fraction: Optional[float] = None
+    """Lower limit for that median rate as a fraction of the node's decode ceiling (measured memory
+    bandwidth / weight bytes read per token), in (0, 1]: the same SLA on any hardware."""
     max_error_rate: Optional[float] = None
     """Upper limit for errors / measured requests, in [0, 1]."""
     max_errors: Optional[int] = None
@@ -58,6 +61,10 @@ class SlaThresholds:
         v = self.min_decode_tokens_per_s
         if v is not None and not (_is_number(v) and 0 <= v < math.inf):
             errs.append(("min_decode_tokens_per_s", f"min_decode_tokens_per_s must be a number >= 0, got {v!r}"))
+        v = self.min_decode_ceiling_fraction
+        if v is not None and not (_is_number(v) and 0 < v <= 1):
+            errs.append(("min_decode_ceiling_fraction",
+                         f"min_decode_ceiling_fraction must be a fraction in (0, 1], got {v!r}"))
         v = self.max_error_rate
         if v is not None and not (_is_number(v) and 0 <= v <= 1):
             errs.append(("max_error_rate", f"max_error_rate must be within [0, 1], got {v!r}"))
@@ -146,6 +153,9 @@ def measured(rep: Mapping[str, Any], metric: str) -> Optional[float]:
         return (rep.get("ttft_ms") or {}).get(metric[len("ttft_"):-len("_ms")])
     if metric == "min_decode_tokens_per_s":
         return (rep.get("decode_tokens_per_s") or {}).get("p50")
+    if metric == "min_decode_ceiling_fraction":
+        pct = (rep.get("decode_ceiling") or {}).get("efficiency_pct")
+        return None if pct is None else pct / 100.0
     if metric == "max_error_rate":
         return rep.get("error_rate")
     if metric == "max_errors":
@@ -180,6 +190,17 @@ def evaluate(report: Any, thresholds: SlaThresholds) -> list[Violation]:
                                  "not measurable: no request produced 2+ tokens"))
         elif m < min_tps:
             out.append(Violation("min_decode_tokens_per_s", m, min_tps, "median per-request decode rate"))
+    fraction = thresholds.min_decode_ceiling_fraction
+    if fraction is not None:
+        m = measured(rep, "min_decode_ceiling_fraction")
+        if m is None:
+            out.append(Violation("min_decode_ceiling_fraction", None, fraction,
+                                 "no decode ceiling: the node's memory bandwidth was not measured, "
+                                 "or no request produced 2+ tokens"))
+        elif m < fraction:
+            ceiling = (rep.get("decode_ceiling") or {}).get("ceiling_tokens_per_s")
+            out.append(Violation("min_decode_ceiling_fraction", m, fraction,
+                                 f"median decode rate / ceiling of {fmt(ceiling)} tok/s"))
     max_errors, max_rate = thresholds.max_errors, thresholds.max_error_rate
     if max_errors is None and max_rate is None:
         max_errors = 0

@@ -57,6 +57,11 @@ BAD = [
     ({"engine": {"extraArgs": ["-x"]}}, "engine.extraArgs", "--"),
     ({"engine": {"env": {"lower": "x"}}}, "engine.env.lower", "UPPER_CASE"),
     ({"runtime": {"kind": "podman"}}, "runtime.kind", "one of"),
+    ({"sla": {"minDecodeCeilingFraction": 1.5}}, "sla.minDecodeCeilingFraction", "fraction in (0, 1]"),
+    ({"sla": {"minDecodeCeilingFraction": 0}}, "sla.minDecodeCeilingFraction", "fraction in (0, 1]"),
+    ({"sla": {"minDecodeCeilingFraction": 0.7}, "runtime": {"kind": "docker"}}, "sla.minDecodeCeilingFraction",
+     "runtime.kind systemd"),
+    ({"sla": {"minDecodeCeilingFraction": 0.7, "maxTokens": 1}}, "sla.maxTokens", "second token"),
     ({"runtime": {"vllmVersion": "latest"}}, "runtime.vllmVersion", "exact release"),
     ({"runtime": {"wheelhouseUrl": "ftp://x"}}, "runtime.wheelhouseUrl", "http"),
     ({"ingress": {"metricsAllowCidrs": ["10.0.0.0/33"]}}, "ingress.metricsAllowCidrs[0]", "CIDR"),
@@ -269,3 +274,12 @@ def test_no_real_stack_file_carries_the_local_passphrase_salt():
         stack = f.name[len("Pulumi."):-len(".yaml")]
         if not config.is_local_stack(stack):
             assert "encryptionsalt:" not in f.read_text(), f
+
+
+def test_a_decode_limit_relative_to_the_ceiling_reaches_the_sla_gate():
+    raw, secret = raw_config(sla={"minDecodeCeilingFraction": 0.7})
+    cfg = config.parse(raw, secret)
+    assert cfg.sla.min_decode_ceiling_fraction == 0.7
+    from components.node import sla_thresholds
+
+    assert sla_thresholds(cfg).min_decode_ceiling_fraction == 0.7

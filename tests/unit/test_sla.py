@@ -190,7 +190,8 @@ def test_typed_thresholds_are_always_valid():
     for bad, word in (({"ttft_p99_ms": -1}, "ttft_p99_ms"), ({"ttft_p95_ms": float("nan")}, "ttft_p95_ms"),
                       ({"min_decode_tokens_per_s": -0.5}, "min_decode"), ({"max_errors": -1}, "max_errors"),
                       ({"max_errors": True}, "max_errors"), ({"max_error_rate": 1.5}, "max_error_rate"),
-                      ({"ttft_p50_ms": 500, "ttft_p99_ms": 400}, "must not decrease")):
+                      ({"ttft_p50_ms": 500, "ttft_p99_ms": 400}, "must not decrease"),
+                      ({"min_decode_ceiling_fraction": 0}, "fraction"), ({"min_decode_ceiling_fraction": 1.01}, "fraction")):
         with pytest.raises(ValueError, match=word):
             SlaThresholds(**bad)
     assert SlaThresholds(ttft_p50_ms=100, ttft_p99_ms=100).problems() == []
@@ -211,6 +212,21 @@ def test_evaluate_pass_and_each_violation():
     assert v["min_decode_tokens_per_s"].measured == pytest.approx(50.0)
     # the dict form (as stored in stack outputs) evaluates the same way
     assert [x.metric for x in evaluate(rep.to_dict(), bad)] == [x.metric for x in evaluate(rep, bad)]
+
+
+def test_decode_limit_as_a_fraction_of_the_ceiling():
+    # decode is 50 tok/s per request; 1e9 B/s over 1e7 B per token gives a ceiling of 100 tok/s
+    rep = _report([_ok(i, ttft=10.0, total=210.0, tokens=11) for i in range(5)],
+                  bandwidth_bytes_per_s=1e9, active_weight_bytes_per_token=1e7)
+    assert evaluate(rep, SlaThresholds(min_decode_ceiling_fraction=0.5)) == []
+    [v] = evaluate(rep, SlaThresholds(min_decode_ceiling_fraction=0.7))
+    assert (v.metric, v.measured, v.limit) == ("min_decode_ceiling_fraction", pytest.approx(0.5), 0.7)
+    assert "ceiling of 100" in str(v) and str(v).startswith("min_decode_ceiling_fraction: measured 0.5, limit >= 0.7")
+    # the dict form, as kept in stack outputs, judges the same
+    assert [x.metric for x in evaluate(rep.to_dict(), SlaThresholds(min_decode_ceiling_fraction=0.7))] == [v.metric]
+    # no ceiling measured (no bandwidth probe): the limit cannot be met, and says why
+    [v] = evaluate(_report(rep.results), SlaThresholds(min_decode_ceiling_fraction=0.1))
+    assert v.measured is None and "bandwidth was not measured" in str(v)
 
 
 def test_evaluate_errors_strict_by_default_and_rate():

@@ -102,8 +102,9 @@ def test_check_reports_readable_failures(fake):
     assert "unknown SLA threshold key" in by_prop["thresholds"]
     assert by_prop["colour"].startswith("unknown input")
     assert by_prop["warmup"] == "warmup must be >= 0, got -1"
-    res = FimSlaCheckProvider().check({}, _props(fake, thresholds={"min_decode_tokens_per_s": 5}, max_tokens=1))
-    assert [f.property for f in res.failures] == ["max_tokens"]
+    for limit in ({"min_decode_tokens_per_s": 5}, {"min_decode_ceiling_fraction": 0.7}):
+        res = FimSlaCheckProvider().check({}, _props(fake, thresholds=limit, max_tokens=1))
+        assert [f.property for f in res.failures] == ["max_tokens"], limit
     res = FimSlaCheckProvider().check({}, _props(fake, thresholds={"ttft_p50_ms": 900, "ttft_p99_ms": 100}))
     assert [f.property for f in res.failures] == ["thresholds"]
     assert "must not decrease" in res.failures[0].reason
