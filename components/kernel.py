@@ -7,12 +7,11 @@ and applies them in one RemoteStep whose `check` reads the live values back, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 
 from components import templates
-from components.config import StackConfig
 from components.remote import RemoteStep
 
 SYSCTL_PATH = "/etc/sysctl.d/90-fimfleet.conf"
@@ -23,8 +22,21 @@ MODULES_PATH = "/etc/modules-load.d/fimfleet.conf"
 THP = "/sys/kernel/mm/transparent_hugepage"
 
 
-def tuned_sysctl(cfg: StackConfig) -> dict[str, str]:
-    """The sysctl values for a tier, before the stack's own overrides."""
+@dataclass(frozen=True)
+class KernelArgs:
+    """What KernelTuning needs: the stack's own sysctl values on top of the tuned ones."""
+
+    sysctl_overrides: dict[str, str] = field(default_factory=dict)
+    """fimfleet:kernel.sysctl, already checked against the sysctl name grammar."""
+
+
+def args_for(cfg) -> KernelArgs:
+    """A validated StackConfig's kernel section as KernelArgs."""
+    return KernelArgs(sysctl_overrides={k: str(v) for k, v in (cfg.kernel.sysctl or {}).items()})
+
+
+def tuned_sysctl(args: KernelArgs) -> dict[str, str]:
+    """The tuned sysctl values, then the stack's own overrides."""
     values = {
         # Weights are mmapped in many regions; the default 65530 maps is too few for 14B+.
         "vm.max_map_count": "1048576",
@@ -51,7 +63,7 @@ def tuned_sysctl(cfg: StackConfig) -> dict[str, str]:
         "net.core.netdev_max_backlog": "16384",
         "net.ipv4.tcp_max_syn_backlog": "8192",
     }
-    values.update({k: str(v) for k, v in (cfg.kernel.sysctl or {}).items()})
+    values.update(args.sysctl_overrides)
     return values
 
 
@@ -78,8 +90,8 @@ class RenderedKernel:
     sysctl: dict[str, str]
 
 
-def render(cfg: StackConfig) -> RenderedKernel:
-    sysctl, sysfs, debugfs = tuned_sysctl(cfg), tuned_sysfs(), tuned_debugfs()
+def render(args: KernelArgs) -> RenderedKernel:
+    sysctl, sysfs, debugfs = tuned_sysctl(args), tuned_sysfs(), tuned_debugfs()
     paths = dict(sysctl_path=SYSCTL_PATH, limits_path=LIMITS_PATH, unit_path=UNIT_PATH,
                  apply_script=APPLY_SCRIPT, modules_path=MODULES_PATH)
     verify = templates.render("kernel/verify.sh.j2", sysctl=sysctl, sysfs=sysfs, limits=LIMITS, **paths)
@@ -103,10 +115,10 @@ def render(cfg: StackConfig) -> RenderedKernel:
 class KernelTuning(pulumi.ComponentResource):
     """Applies the tier's kernel settings over SSH, then reads them back; see module docstring."""
 
-    def __init__(self, name: str, cfg: StackConfig, connection: pulumi.Input[dict],
+    def __init__(self, name: str, args: KernelArgs, connection: pulumi.Input[dict],
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:kernel:KernelTuning", name, None, opts)
-        r = render(cfg)
+        r = render(args)
         self.digest = templates.digest(r.files, r.apply)
         self.step = RemoteStep(f"{name}-apply", label="kernel tuning", connection=connection,
                                files=r.files, apply=r.apply, check=r.check, destroy=r.destroy,

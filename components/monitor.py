@@ -29,7 +29,6 @@ from pathlib import Path
 import pulumi
 
 from components import models, templates
-from components.config import StackConfig
 from components.engine import served_name
 from components.remote import RemoteStep
 
@@ -69,7 +68,31 @@ class Settings:
         return rounds * self.round_s
 
 
-def settings(cfg: StackConfig) -> Settings:
+@dataclass(frozen=True)
+class MonitorArgs:
+    """What one node's monitor needs: its timing, where its engine and ingress listen, and the
+    model's FIM format for the probe."""
+
+    node: str
+    settings: Settings
+    grace_s: int
+    """No verdict while the engine may still be starting: the runtime's start timeout."""
+    https_port: int
+    engine_port: int
+    model: str
+    """The served model name the probe asks for."""
+    fim: models.FimFormat | None = models.QWEN_FIM
+    watchdog: bool = False
+
+
+def args_for(cfg, node: str) -> MonitorArgs:
+    """A validated StackConfig's monitor settings for `node`."""
+    return MonitorArgs(node=node, settings=settings(cfg), grace_s=cfg.runtime.start_timeout_s,
+                       https_port=cfg.ingress.https_port, engine_port=cfg.engine.port, model=served_name(cfg),
+                       fim=cfg.model_spec.fim if cfg.model_spec else None, watchdog=cfg.monitor.watchdog)
+
+
+def settings(cfg) -> Settings:
     m = cfg.monitor
     timeout = m.probe_timeout_s
     if timeout is None:
@@ -109,15 +132,15 @@ def env_file(s: Settings, *, unit: str, container: str, service_user: str, grace
         metrics_timeout_s=s.metrics_timeout_s, restart_timeout_s=RESTART_TIMEOUT_S, probe_body=probe_body)
 
 
-def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str, *, service_user: str = "",
+def render_files(args: MonitorArgs, unit: str, key: str, ca_pem: str, *, service_user: str = "",
                  container: str = "") -> list[dict]:
     """unit, service_user (systemd runtime) and container (docker runtime) are the runtime's outputs."""
-    n = names(node)
-    s = settings(cfg)
+    n = names(args.node)
+    s = args.settings
     env = env_file(s, unit=unit, container=container, service_user=service_user,
-                   grace_s=cfg.runtime.start_timeout_s, probe_url=f"https://127.0.0.1:{cfg.ingress.https_port}",
-                   metrics_url=f"http://127.0.0.1:{cfg.engine.port}/metrics", key_file=n["key_file"],
-                   ca_file=n["ca_file"], model=served_name(cfg), fim=cfg.model_spec.fim if cfg.model_spec else None)
+                   grace_s=args.grace_s, probe_url=f"https://127.0.0.1:{args.https_port}",
+                   metrics_url=f"http://127.0.0.1:{args.engine_port}/metrics", key_file=n["key_file"],
+                   ca_file=n["ca_file"], model=args.model, fim=args.fim)
     files = [
         {"path": f"{n['lib_dir']}/fim-probe.sh", "mode": "0755", "content": (templates.FILES / "monitor/fim-probe.sh").read_text()},
         {"path": f"{n['lib_dir']}/recover.sh", "mode": "0755", "content": (templates.FILES / "monitor/recover.sh").read_text()},
@@ -130,30 +153,30 @@ def render_files(cfg: StackConfig, node: str, unit: str, key: str, ca_pem: str, 
         {"path": f"/etc/systemd/system/{n['timer']}", "mode": "0644", "content": templates.render(
             "monitor/monitor.timer.j2", unit=unit, interval_s=s.interval_s, accuracy_s=1)},
     ]
-    if cfg.monitor.watchdog:
+    if args.watchdog:
         files.append({"path": "/etc/systemd/system.conf.d/90-fimfleet-watchdog.conf", "mode": "0644",
                       "content": templates.render("monitor/watchdog.conf.j2", watchdog_s="30s")})
     return files
 
 
-def scripts(cfg: StackConfig, node: str, unit: str) -> dict[str, str]:
+def scripts(args: MonitorArgs, unit: str) -> dict[str, str]:
     """The monitor step's apply/check/destroy scripts, rendered exactly as they deploy."""
-    kw = dict(unit=unit, unit_base=Path(unit).stem, interval_s=settings(cfg).interval_s,
-              watchdog=cfg.monitor.watchdog, **names(node))
+    kw = dict(unit=unit, unit_base=Path(unit).stem, interval_s=args.settings.interval_s,
+              watchdog=args.watchdog, **names(args.node))
     return {t: templates.render(f"monitor/{t}.sh.j2", **kw) for t in ("apply", "check", "destroy")}
 
 
 class Monitor(pulumi.ComponentResource):
     """Probe + recovery timer for one node's engine; see module docstring."""
 
-    def __init__(self, name: str, cfg: StackConfig, node: str, unit: str, connection: pulumi.Input[dict],
+    def __init__(self, name: str, args: MonitorArgs, unit: str, connection: pulumi.Input[dict],
                  probe_key: pulumi.Input[str], ca_pem: pulumi.Input[str], service_user: str = "", container: str = "",
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:monitor:Monitor", name, None, opts)
-        n = names(node)
+        n = names(args.node)
         files = pulumi.Output.all(probe_key, ca_pem).apply(lambda a: render_files(
-            cfg, node, unit, a[0], a[1], service_user=service_user, container=container))
-        sh = scripts(cfg, node, unit)
+            args, unit, a[0], a[1], service_user=service_user, container=container))
+        sh = scripts(args, unit)
         self.step = RemoteStep(f"{name}-timer", label="monitor timer", connection=connection, files=files,
                                apply=sh["apply"], check=sh["check"], destroy=sh["destroy"],
                                opts=pulumi.ResourceOptions(parent=self))

@@ -11,7 +11,7 @@ import dataclasses
 
 import pulumi
 
-from components import editors, keys, models, monitoring, sizing, templates
+from components import editors, kernel, keys, models, monitor, monitoring, sizing, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
@@ -50,7 +50,7 @@ class InferenceNode(pulumi.ComponentResource):
         conn = self.host.connection
         # What does not depend on each other overlaps: kernel tuning with the packages, nginx with
         # the engine start. The monitor needs both the unit and the ingress; the SLA gate, everything.
-        self.kernel = KernelTuning(f"{name}-kernel", cfg, conn, opts=child(self.host.preflight))
+        self.kernel = KernelTuning(f"{name}-kernel", kernel.args_for(cfg), conn, opts=child(self.host.preflight))
         self.runtime = VllmRuntime(f"{name}-runtime", cfg, node=name, connection=conn, opts=child(self.host, self.kernel))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
         self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=cfg.monitor.probe_key_rotation, opts=child())
@@ -58,7 +58,7 @@ class InferenceNode(pulumi.ComponentResource):
         self.ingress = NginxIngress(f"{name}-ingress", cfg, node=name, host=self.host.facts, connection=conn,
                                     extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(self.host))
         model = served_name(cfg)
-        self.monitor = Monitor(f"{name}-monitor", cfg, node=name, unit=self.runtime.unit, connection=conn,
+        self.monitor = Monitor(f"{name}-monitor", monitor.args_for(cfg, name), unit=self.runtime.unit, connection=conn,
                                probe_key=probe_key, ca_pem=self.ingress.ca_pem, service_user=self.runtime.service_user,
                                container=self.runtime.container, opts=child(self.runtime, self.ingress))
         self.endpoint = self.ingress.endpoint

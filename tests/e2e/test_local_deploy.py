@@ -163,7 +163,7 @@ def test_02_kernel_settings_are_live(node):
             live[k.strip()] = " ".join(v.split())
     cfg = fconfig.parse(_short(raw) | {"apiKeys": {"a": "x" * 30}, "sshPrivateKey": "-----BEGIN OPENSSH PRIVATE KEY-----"},
                         frozenset({"apiKeys", "sshPrivateKey"}))
-    wrong = {k: (v, live.get(k)) for k, v in kernel.tuned_sysctl(cfg).items() if live.get(k) != v}
+    wrong = {k: (v, live.get(k)) for k, v in kernel.tuned_sysctl(kernel.args_for(cfg)).items() if live.get(k) != v}
     assert not wrong, f"sysctl values on the VM differ (wanted, live): {wrong}"
     assert "[madvise]" in live["thp.enabled"] and "[madvise]" in live["thp.defrag"]
     assert live["thp.khugepaged/defrag"] == "0"

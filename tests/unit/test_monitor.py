@@ -59,7 +59,7 @@ def test_env_file_is_data_when_sourced(tmp_path):
     cfg = config.parse(raw, secret)
     hostile = "m$(touch pwned1)`touch pwned2`'; touch pwned3; '\"x\nTOUCH=1"
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, served_name=hostile))
-    env = next(f["content"] for f in monitor.render_files(cfg, "node", "vllm-node.service", "k" * 32, "CA")
+    env = next(f["content"] for f in monitor.render_files(monitor.args_for(cfg, "node"), "vllm-node.service", "k" * 32, "CA")
                if f["path"].endswith(".env"))
     (tmp_path / "monitor.env").write_text(env)
     out = subprocess.run(["bash", "-c", 'set -eu; source ./monitor.env; printf "%s" "$PROBE_BODY"'], cwd=tmp_path,

@@ -44,8 +44,8 @@ def verify_unit(tmp_path: Path, name: str, content: str) -> None:
 
 def units(cfg, node="node"):
     r = runtime.render(cfg, node)
-    kr = kernel.render(cfg)
-    m = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in monitor.render_files(cfg, node, r.unit, "k" * 32, "CA")}
+    kr = kernel.render(kernel.args_for(cfg))
+    m = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in monitor.render_files(monitor.args_for(cfg, node), r.unit, "k" * 32, "CA")}
     engine_unit = r.unit_file.replace("[Install]", r.cgroup_dropin.split("[Service]", 1)[1].strip() + "\n\n[Install]")
     yield r.unit, engine_unit
     yield "fimfleet-tuning.service", next(f["content"] for f in kr.files if f["path"] == kernel.UNIT_PATH)
@@ -74,7 +74,7 @@ def test_verify_catches_a_broken_unit(tmp_path):
 
 
 def scripts(cfg):
-    kr = kernel.render(cfg)
+    kr = kernel.render(kernel.args_for(cfg))
     yield "kernel-apply", kr.apply
     yield "kernel-check", kr.check
     yield "kernel-destroy", kr.destroy
@@ -96,7 +96,7 @@ def scripts(cfg):
         for step, body in ingress_scripts(c, ingress_files(c, "example.com", "CERT", "KEY")[1]).items():
             yield f"ingress-{step}{tag}", body
     watchdog = cfg_for(cfg.tier.name, monitor={"watchdog": True})
-    for t, body in monitor.scripts(watchdog, "node", r.unit).items():
+    for t, body in monitor.scripts(monitor.args_for(watchdog, "node"), r.unit).items():
         yield f"monitor-{t}", body
     for f in ("fim-probe.sh", "recover.sh"):
         yield f, (templates.FILES / "monitor" / f).read_text()
@@ -124,7 +124,7 @@ def test_shellcheck_catches_a_bad_script(tmp_path):
 
 def test_sysctl_file_uses_only_known_keys():
     cfg = cfg_for()
-    content = next(f["content"] for f in kernel.render(cfg).files if f["path"] == kernel.SYSCTL_PATH)
+    content = next(f["content"] for f in kernel.render(kernel.args_for(cfg)).files if f["path"] == kernel.SYSCTL_PATH)
     keys = [l.split("=", 1)[0].strip() for l in content.splitlines() if l and not l.startswith("#")]
     assert keys and set(keys) <= KNOWN_SYSCTLS, set(keys) - KNOWN_SYSCTLS
     # The scheduler knob moved to debugfs in Linux 5.13: it must not be written as a sysctl.
@@ -133,7 +133,7 @@ def test_sysctl_file_uses_only_known_keys():
 
 def test_sysctl_override_reaches_the_file_and_the_verify_script():
     cfg = cfg_for(kernel={"sysctl": {"vm.swappiness": "7"}})
-    r = kernel.render(cfg)
+    r = kernel.render(kernel.args_for(cfg))
     assert "vm.swappiness = 7" in next(f["content"] for f in r.files if f["path"] == kernel.SYSCTL_PATH)
     assert "want_sysctl vm.swappiness 7\n" in r.check
 
