@@ -7,10 +7,13 @@ the host and installs them only when `nginx -t` accepts them (files/ingress/).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Mapping
+
 import pulumi
 
 from components import templates
-from components.config import StackConfig
+from components.config import IngressConfig
 from components.host import HostFacts
 from components.ingress_render import (NGINX_DROPIN_PATH, IngressSpec, _is_ip, body_size_for, ingress_install_plan,
                                        metrics_cidrs, render_nginx_dropin)
@@ -27,40 +30,65 @@ RENEW_HINTS = {
 """What the expiry warning of the refresh check tells the operator, per certificate source."""
 
 
-def public_name(cfg: StackConfig, address: str) -> str:
-    return cfg.ingress.domain or address
+@dataclass(frozen=True)
+class IngressArgs:
+    """What one node's ingress needs: its own settings and the few facts of the engine and
+    stack it fronts. The API keys and a provided certificate are secrets."""
+
+    settings: IngressConfig
+    """fimfleet:ingress, validated."""
+    upstream_port: int
+    """The engine's loopback port."""
+    max_model_len: int
+    """Sizes the request body limit when ingress.clientMaxBodySize is unset."""
+    monitoring: bool
+    """Prometheus on the node scrapes /metrics from loopback."""
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+def args_for(cfg) -> IngressArgs:
+    """A validated StackConfig's ingress, with the engine and secrets it needs."""
+    return IngressArgs(settings=cfg.ingress, upstream_port=cfg.engine.port, max_model_len=cfg.engine.max_model_len,
+                       monitoring=cfg.monitoring.enabled, api_keys=dict(cfg.secrets.api_keys),
+                       tls_cert=cfg.secrets.tls_cert, tls_key=cfg.secrets.tls_key)
+
+
+def public_name(args: IngressArgs, address: str) -> str:
+    return args.settings.domain or address
 
 
 def endpoint_url(host: str, port: int) -> str:
     return f"https://{host}" if port == 443 else f"https://{host}:{port}"
 
 
-def spec_for(cfg: StackConfig, server_name: str, cert_path: str, key_path: str,
+def spec_for(args: IngressArgs, server_name: str, cert_path: str, key_path: str,
              extra_keys: dict | None = None) -> IngressSpec:
-    i = cfg.ingress
+    i = args.settings
     return IngressSpec(
-        server_name=server_name, tls_cert_path=cert_path, tls_key_path=key_path, upstream_port=cfg.engine.port,
-        api_keys={**cfg.secrets.api_keys, **(extra_keys or {})}, https_port=i.https_port, http_port=i.http_port,
+        server_name=server_name, tls_cert_path=cert_path, tls_key_path=key_path, upstream_port=args.upstream_port,
+        api_keys={**args.api_keys, **(extra_keys or {})}, https_port=i.https_port, http_port=i.http_port,
         rate_per_second=i.rate_per_second, burst=i.burst,
-        metrics_allow_cidrs=metrics_cidrs(i.metrics_allow_cidrs, cfg.monitoring.enabled),
+        metrics_allow_cidrs=metrics_cidrs(i.metrics_allow_cidrs, args.monitoring),
         read_timeout_s=i.read_timeout_s, max_conns_per_address=i.max_conns_per_address,
-        client_max_body_size=i.client_max_body_size or body_size_for(cfg.engine.max_model_len),
+        client_max_body_size=i.client_max_body_size or body_size_for(args.max_model_len),
     )
 
 
-def tls_paths(cfg: StackConfig) -> tuple[str, str]:
-    """Where the certificate chain and its key live on the host."""
-    if cfg.ingress.tls == "acme":
-        live = f"/etc/letsencrypt/live/{cfg.ingress.domain}"
+def tls_paths(i: IngressConfig) -> tuple[str, str]:
+    """Where the certificate chain and its key live on the host (i: fimfleet:ingress)."""
+    if i.tls == "acme":
+        live = f"/etc/letsencrypt/live/{i.domain}"
         return f"{live}/fullchain.pem", f"{live}/privkey.pem"
     return f"{TLS_DIR}/server.pem", f"{TLS_DIR}/server.key"
 
 
-def render_files(cfg: StackConfig, server_name: str, cert_pem: str, key_pem: str,
+def render_files(args: IngressArgs, server_name: str, cert_pem: str, key_pem: str,
                  extra_keys: dict | None = None) -> tuple[list[dict], list[dict]]:
     """Files to stage (uploaded) and where apply installs them; extra_keys are fimfleet's own (the probe's)."""
-    cert_path, key_path = tls_paths(cfg)
-    spec = spec_for(cfg, server_name, cert_path, key_path, extra_keys)
+    cert_path, key_path = tls_paths(args.settings)
+    spec = spec_for(args, server_name, cert_path, key_path, extra_keys)
     staged, installs = [], []
     for f in ingress_install_plan(spec):
         name = f.path.rsplit("/", 1)[-1]
@@ -69,21 +97,20 @@ def render_files(cfg: StackConfig, server_name: str, cert_pem: str, key_pem: str
     dropin = NGINX_DROPIN_PATH.rsplit("/", 1)[-1]
     staged.append({"path": f"{STAGED_DIR}/{dropin}", "mode": "0644", "content": render_nginx_dropin(spec)})
     installs.append({"name": dropin, "dest": NGINX_DROPIN_PATH, "mode": "0644"})
-    if cfg.ingress.tls != "acme":
+    if args.settings.tls != "acme":
         for name, dest, mode, content in (("server.pem", cert_path, "0644", cert_pem), ("server.key", key_path, "0600", key_pem)):
             staged.append({"path": f"{STAGED_DIR}/{name}", "mode": mode, "content": content})
             installs.append({"name": name, "dest": dest, "mode": mode})
     return staged, installs
 
 
-def step_scripts(cfg: StackConfig, installs: list[dict]) -> dict[str, str]:
+def step_scripts(i: IngressConfig, installs: list[dict]) -> dict[str, str]:
     """apply, check and destroy of the ingress step. On refresh a certificate near expiry is
     drift (warned; the next up applies again); at the end of apply it only warns, so a short
     test validity still deploys."""
-    i = cfg.ingress
     kw = dict(conf_dir="/etc/nginx", staged_dir=STAGED_DIR, tls_dir=TLS_DIR, files=installs,
               https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
-              tls_cert=tls_paths(cfg)[0], dropin=NGINX_DROPIN_PATH, renew_days=RENEW_BEFORE_DAYS,
+              tls_cert=tls_paths(i)[0], dropin=NGINX_DROPIN_PATH, renew_days=RENEW_BEFORE_DAYS,
               renew_hint=RENEW_HINTS[i.tls])
     check = {drift: templates.render("ingress/check.sh.j2", expiry_is_drift=drift, **kw) for drift in (True, False)}
     return {"apply": templates.render("ingress/apply.sh.j2", check=check[False], **kw), "check": check[True],
@@ -93,15 +120,15 @@ def step_scripts(cfg: StackConfig, installs: list[dict]) -> dict[str, str]:
 class NginxIngress(pulumi.ComponentResource):
     """See module docstring. Outputs: endpoint, probe_endpoint, ca_pem, digest."""
 
-    def __init__(self, name: str, cfg: StackConfig, node: str, host: HostFacts, connection: pulumi.Input[dict],
+    def __init__(self, name: str, args: IngressArgs, host: HostFacts, connection: pulumi.Input[dict],
                  extra_keys: dict[str, pulumi.Input[str]] | None = None, opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:ingress:NginxIngress", name, None, opts)
         extra_keys = extra_keys or {}
         child = pulumi.ResourceOptions(parent=self)
-        i = cfg.ingress
+        i = args.settings
         conn = pulumi.Output.from_input(connection)
         # The test VM's 443 is a forwarded local port; a cloud instance's address exists only once it does.
-        self.endpoint = host.address.apply(lambda a: endpoint_url(public_name(cfg, a), host.public_port(i.https_port)))
+        self.endpoint = host.address.apply(lambda a: endpoint_url(public_name(args, a), host.public_port(i.https_port)))
         self.probe_endpoint = self.endpoint
 
         if i.tls == "self-signed":
@@ -113,21 +140,21 @@ class NginxIngress(pulumi.ComponentResource):
                                          validity_days=i.cert_validity_days, opts=child)
             cert_pem, key_pem, self.ca_pem = cert.certPem, cert.keyPem, cert.caPem
         elif i.tls == "provided":
-            cert_pem = pulumi.Output.secret(cfg.secrets.tls_cert)
-            key_pem = pulumi.Output.secret(cfg.secrets.tls_key)
-            self.ca_pem = pulumi.Output.from_input(cfg.secrets.tls_cert)
+            cert_pem = pulumi.Output.secret(args.tls_cert)
+            key_pem = pulumi.Output.secret(args.tls_key)
+            self.ca_pem = pulumi.Output.from_input(args.tls_cert)
         else:
             cert_pem = key_pem = pulumi.Output.from_input("")
             self.ca_pem = pulumi.Output.from_input("")
 
         server_name = i.domain or (host.configured_address if host.kind == "ssh" else "localhost")
         rendered = pulumi.Output.all(cert_pem, key_pem, pulumi.Output.all(**extra_keys)).apply(
-            lambda a: render_files(cfg, server_name, a[0], a[1], a[2]))
+            lambda a: render_files(args, server_name, a[0], a[1], a[2]))
         staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))
         # Install paths, modes and the digest do not depend on the PEMs: render once with placeholders.
         placeholder_keys = {n: f"placeholder{i:04d}".ljust(32, "0") for i, n in enumerate(sorted(extra_keys))}
-        placeholder_staged, installs = render_files(cfg, server_name, "<cert>", "<key>", placeholder_keys)
-        scripts = step_scripts(cfg, installs)
+        placeholder_staged, installs = render_files(args, server_name, "<cert>", "<key>", placeholder_keys)
+        scripts = step_scripts(i, installs)
         self.digest = templates.digest(placeholder_staged, i.tls)
         self.step = RemoteStep(f"{name}-nginx", label="nginx ingress", connection=conn, files=staged,
                                apply=scripts["apply"], check=scripts["check"], destroy=scripts["destroy"], opts=child)

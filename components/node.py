@@ -11,7 +11,7 @@ import dataclasses
 
 import pulumi
 
-from components import editors, kernel, keys, models, monitor, monitoring, sizing, templates
+from components import editors, ingress, kernel, keys, models, monitor, monitoring, sizing, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
@@ -55,7 +55,7 @@ class InferenceNode(pulumi.ComponentResource):
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
         self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=cfg.monitor.probe_key_rotation, opts=child())
         probe_key = pulumi.Output.secret(self.probe_key.key)
-        self.ingress = NginxIngress(f"{name}-ingress", cfg, node=name, host=self.host.facts, connection=conn,
+        self.ingress = NginxIngress(f"{name}-ingress", ingress.args_for(cfg), host=self.host.facts, connection=conn,
                                     extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(self.host))
         model = served_name(cfg)
         self.monitor = Monitor(f"{name}-monitor", monitor.args_for(cfg, name), unit=self.runtime.unit, connection=conn,
@@ -81,7 +81,7 @@ class InferenceNode(pulumi.ComponentResource):
             self.monitoring = monitoring.Monitoring(
                 f"{name}-monitoring", dataclasses.replace(monitoring.args_for(cfg, name), stack=pulumi.get_stack()),
                 conn, exporter=monitoring.ExporterArgs(name, monitors=((name, self.runtime.unit),),
-                                                       certificates=((name, tls_paths(cfg)[0]),),
+                                                       certificates=((name, tls_paths(cfg.ingress)[0]),),
                                                        interval_s=cfg.monitor.interval_s),
                 sla_reports={name: self.sla.report} if self.sla else None,
                 ca_pems={name: self.ingress.ca_pem} if cfg.ingress.tls != "acme" else None,

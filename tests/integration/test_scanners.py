@@ -68,7 +68,7 @@ def production_config() -> config.StackConfig:
 
 def production_overrides(cfg: config.StackConfig, **test_values) -> dict:
     """IngressSpec fields as the component renders them, minus the host layout."""
-    spec = ingress.spec_for(cfg, cfg.ingress.domain, *ingress.tls_paths(cfg))
+    spec = ingress.spec_for(ingress.args_for(cfg), cfg.ingress.domain, *ingress.tls_paths(cfg.ingress))
     return {**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in LAYOUT},
             **test_values}
 
@@ -76,7 +76,7 @@ def production_overrides(cfg: config.StackConfig, **test_values) -> dict:
 def deployed_tree(cfg: config.StackConfig, root: Path, edit=lambda name, text: text) -> Path:
     """The ingress files as apply installs them, under ``root``; only the two include paths
     are re-rooted so the scanner reads these files and not the machine's /etc/nginx."""
-    staged, installs = ingress.render_files(cfg, cfg.ingress.domain, "CERT", "KEY")
+    staged, installs = ingress.render_files(ingress.args_for(cfg), cfg.ingress.domain, "CERT", "KEY")
     content = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in staged}
     for inst in installs:
         dest = root / inst["dest"].lstrip("/")

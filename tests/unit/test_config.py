@@ -191,11 +191,11 @@ def test_the_nodes_own_prometheus_may_read_metrics_on_loopback_only_when_it_runs
     from components import ingress, monitoring
 
     on = parse(ingress={"metricsAllowCidrs": ["10.0.0.0/8"]})
-    spec = ingress.spec_for(on, "code.example.com", "/c", "/k")
+    spec = ingress.spec_for(ingress.args_for(on), "code.example.com", "/c", "/k")
     assert spec.metrics_allow_cidrs == ("10.0.0.0/8", "127.0.0.1/32", "::1/128")
     assert monitoring.args_for(on, "node").nodes[0].metrics_url == "https://127.0.0.1/metrics"
     off = parse(ingress={"metricsAllowCidrs": ["10.0.0.0/8"]}, monitoring={"enabled": False})
-    assert ingress.spec_for(off, "code.example.com", "/c", "/k").metrics_allow_cidrs == ("10.0.0.0/8",)
+    assert ingress.spec_for(ingress.args_for(off), "code.example.com", "/c", "/k").metrics_allow_cidrs == ("10.0.0.0/8",)
 
 
 def test_unknown_namespace_in_the_stack_file_is_an_error():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from components import config, grammar, host, kernel, monitor, runtime
+from components.ingress import args_for as ingress_args
 from components.ingress import render_files as ingress_files
 from components.ingress import step_scripts as ingress_scripts
 from tests.helpers import raw_config
@@ -93,7 +94,7 @@ def scripts(cfg):
     yield "pull-image", runtime.scripts(docker, "node")["install"]
     acme = cfg_for(cfg.tier.name, ingress={"tls": "acme", "domain": "example.com", "acmeEmail": "ops@example.com"})
     for c, tag in ((cfg, ""), (acme, "-acme")):
-        for step, body in ingress_scripts(c, ingress_files(c, "example.com", "CERT", "KEY")[1]).items():
+        for step, body in ingress_scripts(c.ingress, ingress_files(ingress_args(c), "example.com", "CERT", "KEY")[1]).items():
             yield f"ingress-{step}{tag}", body
     watchdog = cfg_for(cfg.tier.name, monitor={"watchdog": True})
     for t, body in monitor.scripts(monitor.args_for(watchdog, "node"), r.unit).items():

@@ -25,11 +25,11 @@ def cfg_for(tier: str = "cpu-epyc-prod", **ingress_keys) -> config.StackConfig:
 
 
 def scripts(cfg: config.StackConfig) -> dict[str, str]:
-    return ingress.step_scripts(cfg, ingress.render_files(cfg, "code.example.com", "CERT", "KEY")[1])
+    return ingress.step_scripts(cfg.ingress, ingress.render_files(ingress.args_for(cfg), "code.example.com", "CERT", "KEY")[1])
 
 
 def staged(cfg: config.StackConfig) -> dict[str, str]:
-    files, _ = ingress.render_files(cfg, "code.example.com", "CERT", "KEY")
+    files, _ = ingress.render_files(ingress.args_for(cfg), "code.example.com", "CERT", "KEY")
     return {f["path"].rsplit("/", 1)[-1]: f["content"] for f in files}
 
 
@@ -70,7 +70,7 @@ def host(tmp_path, monkeypatch):
         (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
         (bin_dir / tool).chmod(0o755)
     cert = tmp_path / "server.pem"
-    monkeypatch.setattr(ingress, "tls_paths", lambda cfg: (str(cert), str(tmp_path / "server.key")))
+    monkeypatch.setattr(ingress, "tls_paths", lambda settings: (str(cert), str(tmp_path / "server.key")))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
     def run(script: str, days: int) -> subprocess.CompletedProcess:
@@ -83,7 +83,7 @@ def host(tmp_path, monkeypatch):
 
 def check_only(cfg) -> tuple[str, str]:
     """(refresh check, the check at the end of apply) without the file comparisons."""
-    s = ingress.step_scripts(cfg, [])
+    s = ingress.step_scripts(cfg.ingress, [])
     marker = "# fimfleet NginxIngress: installed files match"
     return s["check"], s["apply"][s["apply"].index(marker):]
 
@@ -122,7 +122,7 @@ def test_nginx_unit_gets_the_workers_descriptor_limit():
     dropin = configparser.ConfigParser()
     dropin.read_string(files[Path(NGINX_DROPIN_PATH).name])
     assert dropin["Service"]["LimitNOFILE"] == nofile == str(2 * int(connections))
-    installs = ingress.render_files(cfg_for(), "code.example.com", "C", "K")[1]
+    installs = ingress.render_files(ingress.args_for(cfg_for()), "code.example.com", "C", "K")[1]
     assert {"name": "fimfleet-limits.conf", "dest": NGINX_DROPIN_PATH, "mode": "0644"} in installs
     for step in ("apply", "destroy"):
         assert "systemctl daemon-reload" in scripts(cfg_for())[step]
