@@ -162,11 +162,11 @@ class AwsInstance(pulumi.ComponentResource):
 COMPONENTS = {"hcloud": HcloudInstance, "aws": AwsInstance}
 
 
-def instance_for(name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
-    """The cloud instance of a host, or None when host.provider is ssh or local-vm."""
-    if cfg.host.provider not in cloud_types.CLOUD_PROVIDERS:
+def instance_for(name: str, args: InstanceArgs | None, opts: pulumi.ResourceOptions | None = None):
+    """The cloud instance of a host, or None when it has none (host.provider ssh or local-vm)."""
+    if args is None:
         return None
-    return COMPONENTS[cfg.host.provider](name, instance_args(cfg), opts)
+    return COMPONENTS[args.provider](name, args, opts)
 
 
 def wait_for_ssh(host: str, port: int, timeout_s: float, poll_s: float = 3.0) -> None:

@@ -65,19 +65,19 @@ def testbed_forwards(state_dir: str) -> dict[int, int]:
     return {int(g): int(h) for g, h in _testbed_info(state_dir)["ports"].items()}
 
 
-def connection_for(cfg: StackConfig, address: pulumi.Input[str] | None = None) -> pulumi.Output[dict]:
-    """The SSH connection as one secret Output: it carries the private key. `address`: a cloud instance's."""
+def base_connection(cfg: StackConfig) -> dict:
+    """The SSH connection before its host key is verified; it carries the private key, so Host
+    keeps it a secret. A cloud instance's address replaces `host` once the instance exists."""
     h = cfg.host
     if h.kind == "local-vm":
         conn = testbed_connection(h.testbed_state)
     else:
-        conn = {"host": h.address if address is None else address, "port": h.port, "user": h.user,
-                "privateKey": cfg.secrets.ssh_private_key}
+        conn = {"host": h.address or "", "port": h.port, "user": h.user, "privateKey": cfg.secrets.ssh_private_key}
     if h.bastion:
         conn.update(bastionHost=h.bastion["address"], bastionPort=int(h.bastion.get("port", 22)),
                     bastionUser=h.bastion.get("user", h.user))
     conn["gone"] = h.gone  # a host declared gone is never contacted (destroy and refresh skip it)
-    return pulumi.Output.secret(conn)
+    return conn
 
 
 def pinned_connection(base: pulumi.Input[dict], ident: HostIdentity) -> pulumi.Output[dict]:
@@ -107,31 +107,63 @@ class HostFacts:
         return self.forwards.get(port, port)
 
 
+@dataclass(frozen=True)
+class HostArgs:
+    """What Host needs: how to reach the host, which key it must show, what to check and install."""
+
+    kind: str
+    """ssh, local-vm, or a cloud provider (hcloud, aws)."""
+    connection: dict
+    """base_connection(): a secret, as it holds the private key."""
+    configured_address: str = ""
+    host_key: str = ""
+    """The key the host must show ("" = trust on first use, then pinned)."""
+    bastion_host_key: str = ""
+    forwards: dict[int, int] = field(default_factory=dict)
+    preflight: str = ""
+    """The rendered read-only check (preflight_script)."""
+    packages: tuple[str, ...] = ()
+    instance: cloud.InstanceArgs | None = None
+    """A cloud instance to create first (host.provider hcloud or aws)."""
+
+
+def args_for(cfg: StackConfig) -> HostArgs:
+    """A validated StackConfig's host as HostArgs; the only reader of the test VM's info.json."""
+    h = cfg.host
+    conn = base_connection(cfg)
+    testbed = h.kind == "local-vm"
+    return HostArgs(kind=h.kind, connection=conn, configured_address=h.address or "",
+                    host_key=h.host_key or (conn["hostKey"] if testbed else ""),
+                    bastion_host_key=(h.bastion or {}).get("hostKey", ""),
+                    forwards=testbed_forwards(h.testbed_state) if testbed else {},
+                    preflight=preflight_script(cfg), packages=tuple(packages(cfg)),
+                    instance=cloud.instance_args(cfg) if h.provider in cloud_types.CLOUD_PROVIDERS else None)
+
+
 class Host(pulumi.ComponentResource):
     """Connection, preflight (read-only, first), then packages."""
 
-    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: HostArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:host:Host", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         # host.provider hcloud / aws: create the instance first; first contact waits until sshd answers.
-        self.instance = cloud.instance_for(f"{name}-cloud", cfg, opts=child)
-        base = connection_for(cfg, self.instance.address if self.instance else None)
+        self.instance = cloud.instance_for(f"{name}-cloud", args.instance, opts=child)
+        base = pulumi.Output.secret({**args.connection, "host": self.instance.address} if self.instance
+                                    else args.connection)
         self.address = pulumi.Output.from_input(
             self.instance.address if self.instance else
-            cfg.host.address if cfg.host.kind == "ssh" else pulumi.Output.unsecret(base.apply(lambda c: c["host"])))
-        self.facts = HostFacts(kind=cfg.host.kind, address=self.address, configured_address=cfg.host.address or "",
-                               forwards=testbed_forwards(cfg.host.testbed_state) if cfg.host.kind == "local-vm" else {})
+            args.configured_address if args.kind == "ssh" else pulumi.Output.unsecret(base.apply(lambda c: c["host"])))
+        self.facts = HostFacts(kind=args.kind, address=self.address, configured_address=args.configured_address,
+                               forwards=dict(args.forwards))
         first = pulumi.ResourceOptions(parent=self, depends_on=[self.instance] if self.instance else [])
-        configured_key = cfg.host.host_key or (testbed_connection(cfg.host.testbed_state)["hostKey"]
-                                               if cfg.host.kind == "local-vm" else "")
-        self.identity = HostIdentity(f"{name}-identity", connection=base, host_key=configured_key,
-                                     bastion_host_key=(cfg.host.bastion or {}).get("hostKey", ""), opts=first)
+        self.identity = HostIdentity(f"{name}-identity", connection=base, host_key=args.host_key,
+                                     bastion_host_key=args.bastion_host_key, opts=first)
         self.connection = pinned_connection(base, self.identity)
         booted = [cloud.cloud_init_step(f"{name}-cloud-init", self.connection, opts=child)] if self.instance else []
         self.preflight = RemoteStep(f"{name}-preflight", label="host preflight", connection=self.connection,
-                                    apply=preflight_script(cfg), timeout_s=120,
+                                    apply=args.preflight, timeout_s=120,
                                     opts=pulumi.ResourceOptions(parent=self, depends_on=booted))
-        pkgs = packages(cfg)
+        pkgs = list(args.packages)
         self.packages = RemoteStep(
             f"{name}-packages", label="packages", connection=self.connection,
             apply=templates.render("host/packages.sh.j2", packages=pkgs),

@@ -11,7 +11,7 @@ import dataclasses
 
 import pulumi
 
-from components import editors, ingress, kernel, keys, models, monitor, monitoring, sizing, templates
+from components import editors, host, ingress, kernel, keys, models, monitor, monitoring, sizing, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
@@ -46,7 +46,7 @@ class InferenceNode(pulumi.ComponentResource):
         def child(*deps):
             return pulumi.ResourceOptions(parent=self, depends_on=list(deps))
 
-        self.host = Host(f"{name}-host", cfg, opts=child())
+        self.host = Host(f"{name}-host", host.args_for(cfg), opts=child())
         conn = self.host.connection
         # What does not depend on each other overlaps: kernel tuning with the packages, nginx with
         # the engine start. The monitor needs both the unit and the ingress; the SLA gate, everything.
