@@ -11,7 +11,7 @@ import dataclasses
 
 import pulumi
 
-from components import editors, host, ingress, kernel, keys, models, monitor, monitoring, sizing, templates
+from components import editors, host, ingress, kernel, keys, models, monitor, monitoring, runtime, sizing, templates
 from components.config import StackConfig
 from components.engine import served_name
 from components.host import Host
@@ -51,7 +51,7 @@ class InferenceNode(pulumi.ComponentResource):
         # What does not depend on each other overlaps: kernel tuning with the packages, nginx with
         # the engine start. The monitor needs both the unit and the ingress; the SLA gate, everything.
         self.kernel = KernelTuning(f"{name}-kernel", kernel.args_for(cfg), conn, opts=child(self.host.preflight))
-        self.runtime = VllmRuntime(f"{name}-runtime", cfg, node=name, connection=conn, opts=child(self.host, self.kernel))
+        self.runtime = VllmRuntime(f"{name}-runtime", runtime.args_for(cfg, name), connection=conn, opts=child(self.host, self.kernel))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
         self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=cfg.monitor.probe_key_rotation, opts=child())
         probe_key = pulumi.Output.secret(self.probe_key.key)

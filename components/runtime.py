@@ -141,6 +141,39 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class RuntimeArgs:
+    """One node's runtime, rendered: VllmRuntime only turns these into steps."""
+
+    node: str
+    kind: str
+    """systemd or docker."""
+    vllm_version: str
+    start_timeout_s: int
+    unit: str
+    service_files: list[dict]
+    """The unit, its memory drop-in and the env file (service_files)."""
+    scripts: dict[str, str]
+    """Every step's script (scripts())."""
+    image: str = ""
+    """docker: the image the install step pulls."""
+    model_upload: dict | None = None
+    """A local model: {local, remote, digest} for the model step's upload."""
+
+
+def args_for(cfg: StackConfig, node: str) -> RuntimeArgs:
+    """A validated StackConfig's runtime for `node`, rendered exactly as it deploys."""
+    upload = None
+    if cfg.model.source == "local":
+        upload = {"local": str(Path(cfg.model.local_path).resolve()), "remote": model_path(cfg),
+                  "digest": dir_digest(cfg.model.local_path)}
+    r = render(cfg, node)
+    return RuntimeArgs(node=node, kind=cfg.runtime.kind, vllm_version=cfg.runtime.vllm_version,
+                       start_timeout_s=cfg.runtime.start_timeout_s, unit=r.unit, service_files=service_files(node, r),
+                       scripts=scripts(cfg, node), model_upload=upload,
+                       image=(cfg.runtime.image or default_image(cfg)) if cfg.runtime.kind == "docker" else "")
+
+
 def reported(stdout: str | None, key: str) -> float | None:
     """A positive figure from the last JSON line of a step's output (None when it printed none)."""
     for line in reversed((stdout or "").strip().splitlines()):
@@ -155,31 +188,26 @@ def reported(stdout: str | None, key: str) -> float | None:
 class VllmRuntime(pulumi.ComponentResource):
     """Install (venv or image), model, unit, start-and-wait; see module docstring."""
 
-    def __init__(self, name: str, cfg: StackConfig, node: str, connection: pulumi.Input[dict],
+    def __init__(self, name: str, args: RuntimeArgs, connection: pulumi.Input[dict],
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:runtime:VllmRuntime", name, None, opts)
-        r = render(cfg, node)
-        sh = scripts(cfg, node)
-        self.unit = r.unit
+        sh = args.scripts
+        self.unit = args.unit
         # What the monitor restarts and kills: the engine's user (systemd) or container (docker).
-        self.service_user = SERVICE_USER if cfg.runtime.kind == "systemd" else ""
-        self.container = f"vllm-{node}" if cfg.runtime.kind == "docker" else ""
+        self.service_user = SERVICE_USER if args.kind == "systemd" else ""
+        self.container = f"vllm-{args.node}" if args.kind == "docker" else ""
         child = pulumi.ResourceOptions(parent=self)
 
-        if cfg.runtime.kind == "systemd":
+        if args.kind == "systemd":
             install = RemoteStep(
                 f"{name}-install", label="vLLM virtualenv", connection=connection,
                 files=[{"path": REMOTE_LOCK, "mode": "0644", "content": LOCK_FILE.read_text()}],
                 apply=sh["install"], timeout_s=3600, opts=child)
         else:
-            image = cfg.runtime.image or default_image(cfg)
             install = RemoteStep(f"{name}-image", label="vLLM image", connection=connection,
-                                 apply=sh["install"], triggers=[image], timeout_s=3600, opts=child)
+                                 apply=sh["install"], triggers=[args.image], timeout_s=3600, opts=child)
 
-        uploads = None
-        if cfg.model.source == "local":
-            uploads = [{"local": str(Path(cfg.model.local_path).resolve()), "remote": model_path(cfg),
-                        "digest": dir_digest(cfg.model.local_path)}]
+        uploads = [args.model_upload] if args.model_upload else None
         model = RemoteStep(f"{name}-model", label="model", connection=connection, uploads=uploads,
                            apply=sh["model"], timeout_s=3600,
                            opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
@@ -196,12 +224,12 @@ class VllmRuntime(pulumi.ComponentResource):
             self.bandwidth_bytes_per_s = bandwidth.stdout.apply(lambda out: reported(out, "bandwidth_bytes_per_s"))
             before_start.append(bandwidth)
 
-        files = service_files(node, r)
-        self.digest = templates.digest(files, uploads, cfg.runtime.vllm_version)
+        files = args.service_files
+        self.digest = templates.digest(files, uploads, args.vllm_version)
         self.service = RemoteStep(
             f"{name}-service", label="vLLM service", connection=connection, files=files,
             apply=sh["start"], check=sh["check"], destroy=sh["destroy"],
-            triggers=[self.digest], timeout_s=cfg.runtime.start_timeout_s + 120,
+            triggers=[self.digest], timeout_s=args.start_timeout_s + 120,
             opts=pulumi.ResourceOptions(parent=self, depends_on=before_start))
         # What vLLM allocated, read again after every (re)start, for the outputs beside the sizing model's plan.
         kv = RemoteStep(f"{name}-kv-capacity", label="KV cache capacity", connection=connection,
