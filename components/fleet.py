@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import pulumi
 
-from components.config import StackConfig
-from components.node import InferenceNode
+from components.node import InferenceNode, NodeArgs
 
 
 class Fleet(pulumi.ComponentResource):
-    def __init__(self, name: str, nodes: dict[str, StackConfig], opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, nodes: dict[str, NodeArgs], opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:fleet:Fleet", name, None, opts)
         self.nodes: dict[str, InferenceNode] = {}
         previous = None
-        for node_name, cfg in nodes.items():
+        for node_name, args in nodes.items():
             gate = [previous.sla or previous] if previous else []
-            node = InferenceNode(node_name, cfg, opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+            node = InferenceNode(node_name, args, opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
             self.nodes[node_name] = node
             previous = node
         self.endpoints = {n: node.endpoint for n, node in self.nodes.items()}

@@ -3,11 +3,15 @@
 host preflight -> (packages || kernel tuning) -> (vLLM runtime || nginx ingress) -> monitor
 -> FIM SLA check -> Prometheus and node_exporter. The SLA check's trigger hashes everything deployed before it, so any
 change upstream measures again and an unchanged stack does not.
+
+`args_for` turns a validated StackConfig into NodeArgs, one typed args object per component;
+the components never see the StackConfig.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import pulumi
 
@@ -18,9 +22,44 @@ from components.host import Host
 from components.ingress import NginxIngress, tls_paths
 from components.kernel import KernelTuning
 from components.monitor import Monitor
+from components.monitoring_args import ExporterArgs, MonitoringArgs
 from components.runtime import VllmRuntime
 from components.sla.provider import FimSlaCheck
 from components.sla.thresholds import SlaThresholds
+
+
+@dataclass(frozen=True)
+class SlaArgs:
+    """The node's SLA gate: its limits, how it samples, and the bytes each decoded token reads."""
+
+    thresholds: SlaThresholds
+    samples: int
+    warmup: int
+    concurrency: int
+    max_tokens: int
+    weight_bytes_per_token: float | None = None
+    """For the decode ceiling (None: the model's size is unknown, so no ceiling)."""
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    """Everything one node deploys, per component, from a validated StackConfig."""
+
+    host: host.HostArgs
+    kernel: kernel.KernelArgs
+    runtime: runtime.RuntimeArgs
+    ingress: ingress.IngressArgs
+    monitor: monitor.MonitorArgs
+    editors: editors.EditorArgs
+    model: str
+    """The served model name."""
+    api_keys: dict[str, str]
+    """The named users' keys (secrets): one set of editor outputs each."""
+    probe_key_rotation: str = ""
+    sla: SlaArgs | None = None
+    monitoring: MonitoringArgs | None = None
+    exporter: ExporterArgs | None = None
+    memory: sizing.MemoryPlan | None = None
 
 
 def sla_thresholds(cfg: StackConfig) -> SlaThresholds:
@@ -30,35 +69,64 @@ def sla_thresholds(cfg: StackConfig) -> SlaThresholds:
                          min_decode_ceiling_fraction=s.min_decode_ceiling_fraction, max_errors=s.max_errors)
 
 
-def decode_ceiling_input(cfg: StackConfig, bandwidth_bytes_per_s: float | None) -> dict | None:
-    """The SLA report's decode ceiling: the node's measured bandwidth over the bytes read per token."""
-    if not bandwidth_bytes_per_s or cfg.model_spec is None or cfg.model.quantization not in models.QUANTIZATIONS:
+def weight_bytes_per_token(cfg: StackConfig) -> float | None:
+    """Bytes of weights one decoded token reads (model config and quantization); None when unknown."""
+    if cfg.model_spec is None or cfg.model.quantization not in models.QUANTIZATIONS:
         return None
-    per_token = sizing.decode_weight_bytes(cfg.model_spec, models.QUANTIZATIONS[cfg.model.quantization], cfg.engine.dtype)
+    return sizing.decode_weight_bytes(cfg.model_spec, models.QUANTIZATIONS[cfg.model.quantization], cfg.engine.dtype)
+
+
+def decode_ceiling_input(per_token: float | None, bandwidth_bytes_per_s: float | None) -> dict | None:
+    """The SLA report's decode ceiling: the node's measured bandwidth over the bytes read per token."""
+    if not bandwidth_bytes_per_s or per_token is None:
+        return None
     return {"bandwidth_bytes_per_s": bandwidth_bytes_per_s, "active_weight_bytes_per_token": per_token}
+
+
+def monitoring_args(cfg: StackConfig, name: str, unit: str) -> tuple[MonitoringArgs, ExporterArgs] | None:
+    """Prometheus and node_exporter on node `name` (engine unit `unit`), or None when monitoring is off."""
+    if not cfg.monitoring.enabled:
+        return None
+    return monitoring.args_for(cfg, name), ExporterArgs(
+        name, monitors=((name, unit),), certificates=((name, tls_paths(cfg.ingress)[0]),), interval_s=cfg.monitor.interval_s)
+
+
+def args_for(cfg: StackConfig, name: str) -> NodeArgs:
+    """NodeArgs of node `name`; reads the test VM's info.json (host.args_for) for a local-vm host."""
+    s = cfg.sla
+    sla = SlaArgs(thresholds=sla_thresholds(cfg), samples=s.samples, warmup=s.warmup, concurrency=s.concurrency,
+                  max_tokens=s.max_tokens, weight_bytes_per_token=weight_bytes_per_token(cfg)) if s.enabled else None
+    run = runtime.args_for(cfg, name)
+    watched = monitoring_args(cfg, name, run.unit)
+    if watched:
+        watched = (dataclasses.replace(watched[0], stack=pulumi.get_stack()), watched[1])
+    return NodeArgs(host=host.args_for(cfg), kernel=kernel.args_for(cfg), runtime=run, ingress=ingress.args_for(cfg),
+                    monitor=monitor.args_for(cfg, name), editors=editors.args_for(cfg), model=served_name(cfg),
+                    api_keys=dict(cfg.secrets.api_keys), probe_key_rotation=cfg.monitor.probe_key_rotation, sla=sla,
+                    monitoring=watched[0] if watched else None, exporter=watched[1] if watched else None,
+                    memory=cfg.memory)
 
 
 class InferenceNode(pulumi.ComponentResource):
     """A tuned, TLS-protected, monitored and SLA-checked vLLM node."""
 
-    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: NodeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:node:InferenceNode", name, None, opts)
         def child(*deps):
             return pulumi.ResourceOptions(parent=self, depends_on=list(deps))
 
-        self.host = Host(f"{name}-host", host.args_for(cfg), opts=child())
+        self.host = Host(f"{name}-host", args.host, opts=child())
         conn = self.host.connection
         # What does not depend on each other overlaps: kernel tuning with the packages, nginx with
         # the engine start. The monitor needs both the unit and the ingress; the SLA gate, everything.
-        self.kernel = KernelTuning(f"{name}-kernel", kernel.args_for(cfg), conn, opts=child(self.host.preflight))
-        self.runtime = VllmRuntime(f"{name}-runtime", runtime.args_for(cfg, name), connection=conn, opts=child(self.host, self.kernel))
+        self.kernel = KernelTuning(f"{name}-kernel", args.kernel, conn, opts=child(self.host.preflight))
+        self.runtime = VllmRuntime(f"{name}-runtime", args.runtime, connection=conn, opts=child(self.host, self.kernel))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
-        self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=cfg.monitor.probe_key_rotation, opts=child())
+        self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=args.probe_key_rotation, opts=child())
         probe_key = pulumi.Output.secret(self.probe_key.key)
-        self.ingress = NginxIngress(f"{name}-ingress", ingress.args_for(cfg), host=self.host.facts, connection=conn,
+        self.ingress = NginxIngress(f"{name}-ingress", args.ingress, host=self.host.facts, connection=conn,
                                     extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(self.host))
-        model = served_name(cfg)
-        self.monitor = Monitor(f"{name}-monitor", monitor.args_for(cfg, name), unit=self.runtime.unit, connection=conn,
+        self.monitor = Monitor(f"{name}-monitor", args.monitor, unit=self.runtime.unit, connection=conn,
                                probe_key=probe_key, ca_pem=self.ingress.ca_pem, service_user=self.runtime.service_user,
                                container=self.runtime.container, opts=child(self.runtime, self.ingress))
         self.endpoint = self.ingress.endpoint
@@ -67,28 +135,26 @@ class InferenceNode(pulumi.ComponentResource):
         deployed = templates.digest(self.kernel.digest, self.runtime.digest, self.ingress.digest)
         trigger = self.host.identity.identity.apply(lambda ident: templates.digest(deployed, ident))
         self.sla = None
-        if cfg.sla.enabled:
-            s = cfg.sla
+        if args.sla:
+            s = args.sla
             self.sla = FimSlaCheck(
                 f"{name}-sla", endpoint=self.ingress.probe_endpoint, api_key=probe_key, ca_pem=self.ingress.ca_pem,
-                model=model, thresholds=sla_thresholds(cfg), samples=s.samples, warmup=s.warmup,
+                model=args.model, thresholds=s.thresholds, samples=s.samples, warmup=s.warmup,
                 concurrency=s.concurrency, max_tokens=s.max_tokens, trigger=trigger,
-                ceiling=self.runtime.bandwidth_bytes_per_s.apply(lambda bw: decode_ceiling_input(cfg, bw)),
+                ceiling=self.runtime.bandwidth_bytes_per_s.apply(
+                    lambda bw: decode_ceiling_input(s.weight_bytes_per_token, bw)),
                 opts=child(self.monitor))
         # Prometheus on the node, after the gate so it never loads the host while the SLA is measured.
         self.monitoring = None
-        if cfg.monitoring.enabled:
+        if args.monitoring:
             self.monitoring = monitoring.Monitoring(
-                f"{name}-monitoring", dataclasses.replace(monitoring.args_for(cfg, name), stack=pulumi.get_stack()),
-                conn, exporter=monitoring.ExporterArgs(name, monitors=((name, self.runtime.unit),),
-                                                       certificates=((name, tls_paths(cfg.ingress)[0]),),
-                                                       interval_s=cfg.monitor.interval_s),
+                f"{name}-monitoring", args.monitoring, conn, exporter=args.exporter,
                 sla_reports={name: self.sla.report} if self.sla else None,
-                ca_pems={name: self.ingress.ca_pem} if cfg.ingress.tls != "acme" else None,
+                ca_pems={name: self.ingress.ca_pem} if args.ingress.settings.tls != "acme" else None,
                 opts=child(self.sla or self.monitor))
-        self.model = model
-        self.kv_cache = self.runtime.kv_cache_tokens.apply(lambda v: sizing.kv_capacity_report(cfg.memory, v))
-        ed = editors.args_for(cfg)
+        self.model = args.model
+        self.kv_cache = self.runtime.kv_cache_tokens.apply(lambda v: sizing.kv_capacity_report(args.memory, v))
+        ed = args.editors
         # One set of editor outputs per user key, each holding only that user's key.
         self.editor_configs = {
             key_name: {
@@ -96,7 +162,7 @@ class InferenceNode(pulumi.ComponentResource):
                     lambda a: editors.continue_yaml(ed, a[0], a[1], a[2]))),
                 "cursorNotes": pulumi.Output.secret(self.endpoint.apply(lambda e: editors.cursor_notes(ed, e))),
             }
-            for key_name, user_key in sorted(cfg.secrets.api_keys.items())
+            for key_name, user_key in sorted(args.api_keys.items())
         }
         self.curl = self.endpoint.apply(lambda e: editors.curl_smoke_test(ed, e))
-        self.register_outputs({"endpoint": self.endpoint, "model": model})
+        self.register_outputs({"endpoint": self.endpoint, "model": args.model})

@@ -5,12 +5,13 @@ import pytest
 
 from components import config
 from components.fleet import Fleet
+from components.node import args_for as node_args
 from tests.helpers import API_KEY, raw_config
 
 
 def build(**sections):
     raw, secret = raw_config(**sections)
-    return Fleet("fleet", {"node": config.parse(raw, secret)})
+    return Fleet("fleet", {"node": node_args(config.parse(raw, secret), "node")})
 
 
 def by_name(recorder):
