@@ -65,9 +65,12 @@ def snapshot_key(base: dict, steps: dict) -> str:
 
 
 def _run(client, what: str, script: str, timeout_s: float) -> str:
+    t0 = time.monotonic()
+    say(f"{what} ...")
     code, out, err = remote.run(client, script, timeout_s=timeout_s, label=f"serving snapshot: {what}")
     if code:
         raise RuntimeError(f"serving snapshot: {what} failed (exit {code}):\n{(err or out)[-2000:]}")
+    say(f"{what}: done in {time.monotonic() - t0:.0f} s")
     return out
 
 
