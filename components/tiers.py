@@ -135,6 +135,6 @@ TIERS: dict[str, Tier] = {
              max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=1024, kv_cache_gib=1, dtype="float32",
              start_timeout_s=1500, test_only=True,
              sla={"ttftP50Ms": 8000, "ttftP95Ms": 12000, "ttftP99Ms": 15000, "minDecodeTokensPerS": 1,
-                  "samples": 6, "warmup": 2, "maxTokens": 8}),
+                  "samples": 4, "warmup": 1, "maxTokens": 8}),
     )
 }

@@ -37,6 +37,7 @@ class Node:
         self.state = tmp / "vm"
         self.config_file = tmp / "Pulumi.local.yaml"
         self.up_seconds = None
+        self.wiped_up = None  # test_07f's up, which test_07g also judges
 
     def ssh(self, script: str, timeout=120) -> tuple[int, str, str]:
         with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(self.state)))) as client:
@@ -353,10 +354,14 @@ def test_07e_the_demo_after_the_vm_was_stopped_converges_on_a_fresh_one(node, ca
 
 
 def test_07f_a_host_wiped_under_the_same_address_is_found_by_refresh(node):
-    """Same address and port, nothing of fimfleet left: `up --refresh` finds every step gone and applies it again."""
+    """Same address and port, nothing of fimfleet left: `up --refresh` finds every step gone and applies it again.
+    The same up also carries test_07g's shorter certificate validity (one deploy under emulation
+    is 4-6 minutes of CI; the two changes touch different steps' checks)."""
+    node.served_before = _served_not_after(node)
+    node.pulumi("config", "set", "--path", "fimfleet:ingress.certValidityDays", "29", check=True)
     ld.stop_vm(node.state)
     ld.start_vm(node.state, node.wheelhouse, serving_config=node.config_file, same_ports=True)
-    proc = node.pulumi("up", "--refresh", "--yes", "--skip-preview")
+    node.wiped_up = proc = node.pulumi("up", "--refresh", "--yes", "--skip-preview")
     assert proc.returncode == 0, shown(proc)
     for step in ("node-kernel-apply", "node-ingress-nginx", "node-monitor-timer", "node-sla"):
         assert re.search(rf"{step} +updated", proc.stdout), f"{step} was not applied again:\n{shown(proc)}"
@@ -364,24 +369,25 @@ def test_07f_a_host_wiped_under_the_same_address_is_found_by_refresh(node):
 
 
 def test_07g_a_certificate_near_its_end_is_reissued_by_up(node):
-    """A short validity (29 days, under the 30-day renewal window) makes the certificate
-    reissue as soon as it outlives the setting, and every later preview plans it again."""
-    first = _served_not_after(node)
-    node.pulumi("config", "set", "--path", "fimfleet:ingress.certValidityDays", "29", check=True)
+    """A short validity (29 days, under the 30-day renewal window; set by test_07f before its up)
+    makes the certificate reissue as soon as it outlives the setting, and every later preview
+    plans it again."""
     try:
-        proc = node.pulumi("up", "--yes", "--skip-preview")
+        proc = node.wiped_up
+        assert proc is not None, "test_07f did not get to its up"
         assert proc.returncode == 0, shown(proc)
         assert re.search(r"node-ingress-cert +replaced", proc.stdout), shown(proc)
         short = _served_not_after(node)
         left = short - dt.datetime.now(dt.timezone.utc)
-        assert short < first and dt.timedelta(days=28) < left <= dt.timedelta(days=29), (first, short)
+        assert short < node.served_before and dt.timedelta(days=28) < left <= dt.timedelta(days=29), \
+            (node.served_before, short)
         one_completion(node)  # verified against the new caPem: the editor configs follow the new certificate
         preview = node.pulumi("preview", "--json")
         assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
         ops = {st["urn"].rsplit("::", 1)[-1]: st["op"] for st in json.loads(preview.stdout).get("steps", [])}
         assert ops.get("node-ingress-cert") == "replace", ops  # 29 days left: under the renewal window
     finally:
-        node.pulumi("config", "rm", "--path", "fimfleet:ingress.certValidityDays", check=True)
+        node.pulumi("config", "rm", "--path", "fimfleet:ingress.certValidityDays")
 
 
 def test_08_destroy_removes_what_fimfleet_installed(node):
