@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-p95-ms", type=float)
     p.add_argument("--ttft-p99-ms", type=float)
     p.add_argument("--min-decode-tps", type=float, dest="min_decode_tokens_per_s")
+    p.add_argument("--min-decode-fraction", type=float, dest="min_decode_ceiling_fraction",
+                   help="median decode rate as a fraction of the ceiling (needs the next two)")
+    p.add_argument("--bandwidth-bytes-per-s", type=float, help="the node's memory bandwidth, for the decode ceiling")
+    p.add_argument("--weight-bytes-per-token", type=float, dest="active_weight_bytes_per_token",
+                   help="weight bytes read per decoded token, for the decode ceiling")
     p.add_argument("--max-error-rate", type=float)
     p.add_argument("--max-errors", type=int)
     p.add_argument("--json", action="store_true", help="print the structured report as JSON")
@@ -72,6 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
             request_timeout_s=args.request_timeout, total_timeout_s=args.total_timeout,
             max_consecutive_errors=args.max_consecutive_errors,
+            bandwidth_bytes_per_s=args.bandwidth_bytes_per_s,
+            active_weight_bytes_per_token=args.active_weight_bytes_per_token,
         )
         problems = cfg.validate()
         if problems:

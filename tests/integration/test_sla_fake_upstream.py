@@ -359,6 +359,11 @@ def test_cli_pass_fail_and_usage_errors(fake):
     assert missing.returncode == 2 and "FIMFLEET_KEY" in missing.stderr
     invalid = _run(base + ["--concurrency", "0"], {"FIMFLEET_KEY": KEY})
     assert invalid.returncode == 2 and "concurrency" in invalid.stderr
+    # decode against the ceiling: 1 B/s over 1 B per token is 1 tok/s, which the fake beats; 1 PB/s is unreachable
+    for bandwidth, code in (("1", 0), ("1e15", 1)):
+        frac = _run(base + ["--min-decode-fraction", "0.5", "--bandwidth-bytes-per-s", bandwidth,
+                            "--weight-bytes-per-token", "1"], {"FIMFLEET_KEY": KEY})
+        assert frac.returncode == code and "decode ceiling" in frac.stdout, frac.stdout + frac.stderr
 
 
 def test_cli_over_tls_with_ca_file(tls_fake, pki):

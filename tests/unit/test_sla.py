@@ -185,6 +185,13 @@ def test_thresholds_from_dict_coerces_and_rejects():
     assert SlaThresholds.from_dict({"min_decode_tokens_per_s": 0}).min_decode_tokens_per_s == 0.0
 
 
+def test_the_cli_takes_every_sla_limit():
+    from components.sla.__main__ import _LIMITS, _parser
+
+    dests = {a.dest for a in _parser()._actions}
+    assert set(_LIMITS) <= dests, set(_LIMITS) - dests
+
+
 def test_typed_thresholds_are_always_valid():
     # the typed object checks itself, so node.py, the provider and the CLI share one set of rules
     for bad, word in (({"ttft_p99_ms": -1}, "ttft_p99_ms"), ({"ttft_p95_ms": float("nan")}, "ttft_p95_ms"),
