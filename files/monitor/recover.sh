@@ -31,7 +31,9 @@ engine_sample() {
 rc=0; "$(dirname "$0")/fim-probe.sh" "$1" 2>"$state/last-error" || rc=$?
 sample=$(engine_sample || true)
 prev=$(cat "$state/engine-sample" 2>/dev/null || true)
-printf '%s' "$sample" > "$state/engine-sample"
+# Keep the last real reading when /metrics did not answer: the next round compares against it,
+# not against nothing (which would look like movement).
+[ -n "$sample" ] && printf '%s' "$sample" > "$state/engine-sample"
 now=$(date +%s)
 [ -s "$state/progress-at" ] || echo "$now" > "$state/progress-at"
 if [ "$rc" -eq 0 ]; then
@@ -65,7 +67,8 @@ fi
 
 failures=$((failures + 1)); echo "$failures" > "$state/failures"
 stalled=$(( now - $(cat "$state/progress-at") ))
-log "probe failed ($failures/$FAILURE_THRESHOLD), engine idle for ${stalled}s (hung at ${STALL_S}s): $(head -c 200 "$state/last-error")"
+seen=${sample:+unchanged}
+log "probe failed ($failures/$FAILURE_THRESHOLD), engine idle for ${stalled}s (hung at ${STALL_S}s; vLLM metrics ${seen:-gave no answer within ${METRICS_TIMEOUT_S}s}): $(head -c 200 "$state/last-error")"
 [ "$failures" -lt "$FAILURE_THRESHOLD" ] && exit 0
 [ "$stalled" -lt "$STALL_S" ] && exit 0
 
