@@ -2,7 +2,7 @@
 
 import pulumi
 
-from components import config, node as inference_node, validate
+from components import config, fleet as fleet_shape, validate
 from components.fleet import Fleet
 
 try:
@@ -12,7 +12,7 @@ except config.ConfigError as err:
     pulumi.log.error(str(err))
     raise SystemExit(32) from None
 
-fleet = Fleet("fleet", {"node": inference_node.args_for(cfg, "node")})
+fleet = Fleet("fleet", fleet_shape.args_for(cfg))
 node = fleet.nodes["node"]
 pulumi.export("endpoint", node.endpoint)
 pulumi.export("model", node.model)

@@ -1,8 +1,9 @@
-"""InferenceNode: one host from bare to serving, in dependency order.
+"""NodeService: one node on a prepared host (HostBase), from its engine to its SLA gate.
 
-host preflight -> (packages || kernel tuning) -> (vLLM runtime || nginx ingress) -> monitor
--> FIM SLA check -> Prometheus and node_exporter. The SLA check's trigger hashes everything deployed before it, so any
-change upstream measures again and an unchanged stack does not.
+HostBase (preflight -> packages || kernel tuning) -> (vLLM runtime || nginx ingress) -> monitor
+-> FIM SLA check -> Prometheus and node_exporter. The SLA check's trigger hashes everything
+deployed before it, the host's kernel tuning and identity included, so any change upstream
+measures again and an unchanged stack does not.
 
 `args_for` turns a validated StackConfig into NodeArgs, one typed args object per component;
 the components never see the StackConfig.
@@ -15,12 +16,11 @@ from dataclasses import dataclass
 
 import pulumi
 
-from components import editors, host, ingress, kernel, keys, models, monitor, monitoring, runtime, sizing, templates
+from components import editors, ingress, keys, models, monitor, monitoring, runtime, sizing, templates
 from components.config import StackConfig
 from components.engine import served_name
-from components.host import Host
+from components.hostbase import LEGACY_NODE_TYPE, HostBase
 from components.ingress import NginxIngress, tls_paths
-from components.kernel import KernelTuning
 from components.monitor import Monitor
 from components.monitoring_args import ExporterArgs, MonitoringArgs
 from components.runtime import VllmRuntime
@@ -43,10 +43,10 @@ class SlaArgs:
 
 @dataclass(frozen=True)
 class NodeArgs:
-    """Everything one node deploys, per component, from a validated StackConfig."""
+    """Everything one node deploys on its host, per component, from a validated StackConfig."""
 
-    host: host.HostArgs
-    kernel: kernel.KernelArgs
+    host: str
+    """The name of the HostBase it runs on."""
     runtime: runtime.RuntimeArgs
     ingress: ingress.IngressArgs
     monitor: monitor.MonitorArgs
@@ -91,8 +91,8 @@ def monitoring_args(cfg: StackConfig, name: str, unit: str) -> tuple[MonitoringA
         name, monitors=((name, unit),), certificates=((name, tls_paths(cfg.ingress)[0]),), interval_s=cfg.monitor.interval_s)
 
 
-def args_for(cfg: StackConfig, name: str) -> NodeArgs:
-    """NodeArgs of node `name`; reads the test VM's info.json (host.args_for) for a local-vm host."""
+def args_for(cfg: StackConfig, name: str, host: str) -> NodeArgs:
+    """NodeArgs of node `name` on the host named `host`."""
     s = cfg.sla
     sla = SlaArgs(thresholds=sla_thresholds(cfg), samples=s.samples, warmup=s.warmup, concurrency=s.concurrency,
                   max_tokens=s.max_tokens, weight_bytes_per_token=weight_bytes_per_token(cfg)) if s.enabled else None
@@ -100,40 +100,41 @@ def args_for(cfg: StackConfig, name: str) -> NodeArgs:
     watched = monitoring_args(cfg, name, run.unit)
     if watched:
         watched = (dataclasses.replace(watched[0], stack=pulumi.get_stack()), watched[1])
-    return NodeArgs(host=host.args_for(cfg), kernel=kernel.args_for(cfg), runtime=run, ingress=ingress.args_for(cfg),
+    return NodeArgs(host=host, runtime=run, ingress=ingress.args_for(cfg),
                     monitor=monitor.args_for(cfg, name), editors=editors.args_for(cfg), model=served_name(cfg),
                     api_keys=dict(cfg.secrets.api_keys), probe_key_rotation=cfg.monitor.probe_key_rotation, sla=sla,
                     monitoring=watched[0] if watched else None, exporter=watched[1] if watched else None,
                     memory=cfg.memory)
 
 
-class InferenceNode(pulumi.ComponentResource):
-    """A tuned, TLS-protected, monitored and SLA-checked vLLM node."""
+class NodeService(pulumi.ComponentResource):
+    """A TLS-protected, monitored and SLA-checked vLLM node on a prepared host (`base`)."""
 
-    def __init__(self, name: str, args: NodeArgs, opts: pulumi.ResourceOptions | None = None):
-        super().__init__("fimfleet:node:InferenceNode", name, None, opts)
+    def __init__(self, name: str, args: NodeArgs, base: HostBase, opts: pulumi.ResourceOptions | None = None):
+        # Before HostBase, this component was the InferenceNode that also held the host.
+        opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(aliases=[pulumi.Alias(type_=LEGACY_NODE_TYPE)]))
+        super().__init__("fimfleet:node:NodeService", name, None, opts)
         def child(*deps):
             return pulumi.ResourceOptions(parent=self, depends_on=list(deps))
 
-        self.host = Host(f"{name}-host", args.host, opts=child())
-        conn = self.host.connection
-        # What does not depend on each other overlaps: kernel tuning with the packages, nginx with
-        # the engine start. The monitor needs both the unit and the ingress; the SLA gate, everything.
-        self.kernel = KernelTuning(f"{name}-kernel", args.kernel, conn, opts=child(self.host.preflight))
-        self.runtime = VllmRuntime(f"{name}-runtime", args.runtime, connection=conn, opts=child(self.host, self.kernel))
+        conn = base.connection
+        # What does not depend on each other overlaps: nginx with the engine start. The engine waits
+        # for the tuned kernel; nginx only for the packages. The monitor needs both the unit and
+        # the ingress; the SLA gate, everything.
+        self.runtime = VllmRuntime(f"{name}-runtime", args.runtime, connection=conn, opts=child(base.host, base.kernel))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
         self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=args.probe_key_rotation, opts=child())
         probe_key = pulumi.Output.secret(self.probe_key.key)
-        self.ingress = NginxIngress(f"{name}-ingress", args.ingress, host=self.host.facts, connection=conn,
-                                    extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(self.host))
+        self.ingress = NginxIngress(f"{name}-ingress", args.ingress, host=base.facts, connection=conn,
+                                    extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(base.host))
         self.monitor = Monitor(f"{name}-monitor", args.monitor, unit=self.runtime.unit, connection=conn,
                                probe_key=probe_key, ca_pem=self.ingress.ca_pem, service_user=self.runtime.service_user,
                                container=self.runtime.container, opts=child(self.runtime, self.ingress))
         self.endpoint = self.ingress.endpoint
         # The host identity is part of it: a rebuilt or replaced host is measured again, so the
         # report in the outputs always belongs to the host that serves now.
-        deployed = templates.digest(self.kernel.digest, self.runtime.digest, self.ingress.digest)
-        trigger = self.host.identity.identity.apply(lambda ident: templates.digest(deployed, ident))
+        deployed = templates.digest(base.kernel.digest, self.runtime.digest, self.ingress.digest)
+        trigger = base.identity.apply(lambda ident: templates.digest(deployed, ident))
         self.sla = None
         if args.sla:
             s = args.sla

@@ -1,7 +1,8 @@
 """End to end: the real Pulumi CLI deploys the `local` stack onto a fresh test VM.
 
 One stack for the module, steps in order (each names what failed and where):
-up (adopting the engine of a VM restored from the serving snapshot) → live kernel values →
+up of the program before HostBase (adopting the engine of a VM restored from the serving
+snapshot) → this tree's program takes it over with no replacement → live kernel values →
 ingress keys/streaming/ACLs → monitor → Prometheus → no-op second up → drift repaired by
 `up --refresh` → impossible SLA fails and the node keeps serving → a changed host key is
 refused → a killed `up` leaves a lock the demo clears → the demo after `vm.py stop` converges
@@ -30,6 +31,24 @@ from scripts import local_deploy as ld
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
+UPGRADE_FROM = "f3020e7645ad45657d29184da42133e9b7a913aa"
+"""The last commit before HostBase (issue 11): the first `up` deploys its program, as a stack
+deployed before that change would have been; then this tree's program must take it over.
+Its runtime renders the unit files the serving snapshot holds while the runtime is unchanged;
+after a runtime change its first `up` starts the engine again (minutes longer, still correct)."""
+
+
+def program_at(commit: str, dest: Path) -> Path | None:
+    """The Pulumi program as it was at `commit` (its whole tree, with this checkout's .venv), or None
+    when this clone lacks the commit (a shallow clone: `git fetch --unshallow`)."""
+    if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ld.ROOT, capture_output=True).returncode:
+        return None
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=ld.ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    (dest / ".venv").symlink_to(ld.ROOT / ".venv")
+    return dest
+
 
 class Node:
     def __init__(self, tmp: Path):
@@ -46,8 +65,10 @@ class Node:
     def outputs(self, secrets=False) -> dict:
         return ld.outputs(self.config_file, show_secrets=secrets)
 
-    def pulumi(self, *args, check=False) -> subprocess.CompletedProcess:
-        return subprocess.run([str(ld.ROOT / "fimfleet"), "pulumi", *args, "-s", "local", "--non-interactive",
+    def pulumi(self, *args, check=False, program: Path | None = None) -> subprocess.CompletedProcess:
+        """The real CLI on this stack; `program`: another tree's Pulumi program (program_at)."""
+        where = ["--cwd", str(program)] if program else []
+        return subprocess.run([str(ld.ROOT / "fimfleet"), "pulumi", *args, *where, "-s", "local", "--non-interactive",
                                "--config-file", str(self.config_file)], cwd=ld.ROOT, capture_output=True, text=True,
                               timeout=3600, check=check)
 
@@ -66,10 +87,17 @@ def node(tmp_path_factory):
     # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
     # build (whenever the runtime changes) and in the integration tests against real vLLM.
     ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file)
+    n.old_program = program_at(UPGRADE_FROM, n.tmp / "before-hostbase")
     t0 = time.monotonic()
-    proc = n.pulumi("up", "--yes", "--skip-preview")
+    proc = n.pulumi("up", "--yes", "--skip-preview", program=n.old_program)
     n.up_seconds = time.monotonic() - t0
     n.first_up = proc
+    n.upgrade_preview = n.upgrade_up = None
+    if n.old_program and proc.returncode == 0:
+        # This tree's program takes the stack over: judged by test_01c, and every later test runs on it.
+        n.state_before_upgrade = ld.fimfleet_pulumi("stack", "export", "-s", "local")
+        n.upgrade_preview = n.pulumi("preview", "--json")
+        n.upgrade_up = n.pulumi("up", "--yes", "--skip-preview")
     yield n
     n.pulumi("destroy", "--yes")
     ld.stop_vm(n.state)
@@ -137,6 +165,32 @@ def test_01a_the_first_up_adopted_the_snapshots_serving_engine(node):
     state = json.loads(ld.fimfleet_pulumi("stack", "export", "-s", "local"))
     step = next(r for r in state["deployment"]["resources"] if r["urn"].endswith("::node-runtime-service"))
     assert json.loads(step["outputs"]["stdout"].strip().splitlines()[-1]) == {"ready_after_s": 0, "adopted": True}
+
+
+def test_01c_a_stack_deployed_before_hostbase_upgrades_with_no_replacement(node):
+    """Issue 11 item 7: the host's resources moved under HostBase and the node's component was
+    renamed; their aliases (and the engine's inheritance of them to the children) keep every
+    resource, so the preview replaces, deletes and creates nothing but the new HostBase component."""
+    assert node.old_program, f"this clone lacks {UPGRADE_FROM}: fetch the history (git fetch --unshallow)"
+    preview = node.upgrade_preview
+    assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
+    steps = json.loads(preview.stdout).get("steps", [])
+    changed = [(st["op"], st["urn"].rsplit("::", 2)[-2].rsplit("$", 1)[-1], st["urn"].rsplit("::", 1)[-1])
+               for st in steps if st["op"] not in ("same", "update")]
+    assert changed == [("create", "fimfleet:host:HostBase", "node")], changed
+    assert node.upgrade_up.returncode == 0, shown(node.upgrade_up)
+
+    def custom(export: str) -> dict:
+        """name -> (type, id) of every custom resource: the same ones, under their new URNs."""
+        return {r["urn"].rsplit("::", 1)[-1]: (r["type"], r.get("id")) for r in json.loads(export)["deployment"]["resources"]
+                if r.get("custom") and not r["type"].startswith("pulumi:providers:")}
+
+    after = ld.fimfleet_pulumi("stack", "export", "-s", "local")
+    assert custom(after) == custom(node.state_before_upgrade)
+    urns = [r["urn"] for r in json.loads(after)["deployment"]["resources"]]
+    assert not [u for u in urns if "InferenceNode" in u], urns
+    assert any(u.endswith("fimfleet:host:HostBase$fimfleet:host:Host$pulumi-python:dynamic:Resource::node-host-packages")
+               for u in urns), urns
 
 
 def test_01b_state_holds_no_secret_in_plain_text(node):

@@ -23,7 +23,7 @@ class Recorder(pmocks.MockMonitor):
                          and v.struct_value.fields[SIG_KEY].string_value == SECRET_SIG}
         self.registrations.append({"type": request.type, "name": request.name, "urn": resp.urn,
                                    "parent": request.parent, "deps": set(request.dependencies),
-                                   "secret_fields": secret_fields,
+                                   "secret_fields": secret_fields, "aliases": list(request.aliases),
                                    "inputs": pulumi.runtime.rpc.deserialize_properties(request.object)})
         return resp
 

@@ -31,7 +31,7 @@ with warnings.catch_warnings():
 
 from components import cloud, cloud_types, config, templates
 from components.errors import Error
-from components.node import InferenceNode, args_for
+from components.fleet import Fleet, args_for
 from tests.helpers import API_KEY, raw_config, ssh_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,8 +155,8 @@ def deploy(cfg: config.StackConfig, mocks: CloudMocks) -> tuple[dict, dict]:
 
     @pulumi.runtime.test
     def run():
-        node = InferenceNode("node", args_for(cfg, "node"))
-        return pulumi.Output.all(node.endpoint, node.host.address).apply(
+        fleet = Fleet("fleet", args_for(cfg))
+        return pulumi.Output.all(fleet.nodes["node"].endpoint, fleet.hosts["node"].host.address).apply(
             lambda a: outputs.update(endpoint=a[0], address=a[1]))
 
     run()

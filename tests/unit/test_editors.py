@@ -189,11 +189,10 @@ def test_users_cannot_take_fimfleets_key_names():
 
 
 def build_node(api_keys: dict):
-    from components.fleet import Fleet
-    from components.node import args_for as node_args
+    from components.fleet import Fleet, args_for
 
     raw, secret = raw_config(apiKeys=api_keys)
-    return Fleet("fleet", {"node": node_args(config.parse(raw, secret), "node")}).nodes["node"]
+    return Fleet("fleet", args_for(config.parse(raw, secret))).nodes["node"]
 
 
 def registered(recorder) -> dict:

@@ -4,26 +4,28 @@ import pulumi
 import pytest
 
 from components import config
-from components.fleet import Fleet
-from components.node import args_for as node_args
+from components.fleet import Fleet, args_for
 from tests.helpers import API_KEY, raw_config
 
 
 def build(**sections):
     raw, secret = raw_config(**sections)
-    return Fleet("fleet", {"node": node_args(config.parse(raw, secret), "node")})
+    return Fleet("fleet", args_for(config.parse(raw, secret)))
 
 
 def by_name(recorder):
-    return {r["name"]: r for r in recorder.registrations}
+    """Registrations by name; a HostBase shares its host's name with the node on it, so it is `<name> (host)`."""
+    return {f"{r['name']} (host)" if r["type"] == "fimfleet:host:HostBase" else r["name"]: r
+            for r in recorder.registrations}
 
 
 def ancestors(regs, name):
-    urn_to = {r["urn"]: r for r in regs.values()}
+    """Names (by_name's keys) from the parent of `name` up to the fleet; the stack itself is left out."""
+    key_of = {r["urn"]: k for k, r in regs.items()}
     out, parent = [], regs[name]["parent"]
-    while parent in urn_to:
-        out.append(urn_to[parent]["name"])
-        parent = urn_to[parent]["parent"]
+    while parent in key_of and regs[key_of[parent]]["type"] != "pulumi:pulumi:Stack":
+        out.append(key_of[parent])
+        parent = regs[key_of[parent]]["parent"]
     return out
 
 
@@ -40,7 +42,8 @@ def test_tree_types_and_parents(recorder):
     def check(_):
         regs = by_name(recorder)
         types = {n: r["type"] for n, r in regs.items()}
-        assert types["node"] == "fimfleet:node:InferenceNode"
+        assert types["node"] == "fimfleet:node:NodeService"
+        assert types["node (host)"] == "fimfleet:host:HostBase"
         assert types["node-host"] == "fimfleet:host:Host"
         assert types["node-kernel"] == "fimfleet:kernel:KernelTuning"
         assert types["node-runtime"] == "fimfleet:runtime:VllmRuntime"
@@ -50,9 +53,10 @@ def test_tree_types_and_parents(recorder):
         for step in ("node-host-preflight", "node-host-packages", "node-kernel-apply", "node-runtime-install",
                      "node-runtime-model", "node-runtime-service", "node-ingress-nginx", "node-monitor-timer"):
             assert types[step] == "pulumi-python:dynamic:Resource", step
-        assert ancestors(regs, "node-kernel-apply")[:3] == ["node-kernel", "node", "fleet"]
-        assert ancestors(regs, "node-runtime-service")[:2] == ["node-runtime", "node"]
-        assert ancestors(regs, "node-sla")[:2] == ["node", "fleet"]
+        assert ancestors(regs, "node-kernel-apply") == ["node-kernel", "node (host)", "fleet"]
+        assert ancestors(regs, "node-host-packages") == ["node-host", "node (host)", "fleet"]
+        assert ancestors(regs, "node-runtime-service") == ["node-runtime", "node", "fleet"]
+        assert ancestors(regs, "node-sla") == ["node", "fleet"]
 
     return settle(fleet).apply(check)
 
@@ -200,3 +204,25 @@ def test_changed_value_changes_only_its_resources():
         "node-runtime-kv-capacity", "node-runtime-service", "node-sla"]  # what vLLM allocated is read again
     assert _changed(base, _inputs_for(ingress={"ratePerSecond": 5})) == [
         "node-ingress-nginx", "node-sla"]
+
+
+@pulumi.runtime.test
+def test_resources_that_moved_under_hostbase_alias_their_old_urns(recorder):
+    """A stack deployed before HostBase existed must upgrade without a replacement: the node's
+    component keeps its old type as an alias, and the host's resources their old parent (the
+    InferenceNode). Their children inherit these aliases in the engine (the e2e's upgrade test)."""
+    fleet = build()
+
+    def check(_):
+        regs = by_name(recorder)
+        fleet_urn = regs["fleet"]["urn"]
+        old_node = fleet_urn.replace("fimfleet:fleet:Fleet::fleet",
+                                     "fimfleet:fleet:Fleet$fimfleet:node:InferenceNode::node")
+        for moved in ("node-host", "node-kernel"):
+            specs = [a.spec for a in regs[moved]["aliases"]]
+            assert [s.parentUrn for s in specs] == [old_node], (moved, specs)
+        assert [a.spec.type for a in regs["node"]["aliases"]] == ["fimfleet:node:InferenceNode"]
+        assert not regs["node (host)"]["aliases"]  # HostBase itself is new
+
+    return settle(fleet).apply(check)
+

@@ -1,0 +1,58 @@
+"""HostBase: what a host needs once, however many nodes it serves.
+
+The connection (identity pinned), preflight, packages and kernel tuning belong to the host,
+not to a node: a second node on the same host shares them instead of writing the same
+sysctl and limits files again. NodeService (components/node.py) builds on its outputs.
+
+Until the fleet shape, these resources lived under the node (InferenceNode). `moved_from`
+aliases them to those URNs, so an existing stack upgrades without replacing anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+
+from components import host, kernel
+from components.host import Host
+from components.kernel import KernelTuning
+
+LEGACY_NODE_TYPE = "fimfleet:node:InferenceNode"
+"""The node component that owned the host's resources before HostBase existed."""
+
+
+@dataclass(frozen=True)
+class HostBaseArgs:
+    """One host: how to reach and check it (host.HostArgs) and how its kernel is tuned."""
+
+    host: host.HostArgs
+    kernel: kernel.KernelArgs
+
+
+def args_for(cfg) -> HostBaseArgs:
+    """A validated StackConfig's host as HostBaseArgs (host.args_for reads the test VM's info.json)."""
+    return HostBaseArgs(host=host.args_for(cfg), kernel=kernel.args_for(cfg))
+
+
+def legacy_parent(node_name: str, fleet: pulumi.Resource) -> pulumi.Alias:
+    """Where a host resource lived before: under the node's InferenceNode, itself under the fleet."""
+    return pulumi.Alias(parent=pulumi.create_urn(node_name, LEGACY_NODE_TYPE, parent=fleet))
+
+
+class HostBase(pulumi.ComponentResource):
+    """Host (identity, preflight, packages), then kernel tuning. Outputs: connection, facts,
+    identity, and the two stages nodes wait for (`host`: packages installed, `kernel`: tuned)."""
+
+    def __init__(self, name: str, args: HostBaseArgs, moved_from: pulumi.Alias | None = None,
+                 opts: pulumi.ResourceOptions | None = None):
+        super().__init__("fimfleet:host:HostBase", name, None, opts)
+        moved = [moved_from] if moved_from else []
+        self.host = Host(f"{name}-host", args.host, opts=pulumi.ResourceOptions(parent=self, aliases=moved))
+        self.connection = self.host.connection
+        self.facts = self.host.facts
+        self.identity = self.host.identity.identity
+        # Kernel tuning needs only the preflight: it overlaps the package install.
+        self.kernel = KernelTuning(f"{name}-kernel", args.kernel, self.connection, opts=pulumi.ResourceOptions(
+            parent=self, depends_on=[self.host.preflight], aliases=moved))
+        self.register_outputs({"address": self.host.address, "identity": self.identity})
