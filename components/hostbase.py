@@ -1,7 +1,7 @@
 """HostBase: what a host needs once, however many nodes it serves.
 
-The connection (identity pinned), preflight, packages and kernel tuning belong to the host,
-not to a node: a second node on the same host shares them instead of writing the same
+The connection (identity pinned), preflight, packages, kernel tuning and systemd's watchdog
+belong to the host, not to a node: a second node on the same host shares them instead of writing the same
 sysctl and limits files again. NodeService (components/node.py) builds on its outputs.
 
 Until the fleet shape, these resources lived under the node (InferenceNode). `moved_from`
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import pulumi
 
-from components import host, kernel
+from components import host, kernel, watchdog
 from components.host import Host
 from components.kernel import KernelTuning
+from components.remote import RemoteStep
 
 LEGACY_NODE_TYPE = "fimfleet:node:InferenceNode"
 """The node component that owned the host's resources before HostBase existed."""
@@ -24,15 +25,17 @@ LEGACY_NODE_TYPE = "fimfleet:node:InferenceNode"
 
 @dataclass(frozen=True)
 class HostBaseArgs:
-    """One host: how to reach and check it (host.HostArgs) and how its kernel is tuned."""
+    """One host: how to reach and check it (host.HostArgs), how its kernel is tuned, and whether
+    systemd's hardware watchdog reboots it when it hangs."""
 
     host: host.HostArgs
     kernel: kernel.KernelArgs
+    watchdog: bool = False
 
 
 def args_for(cfg) -> HostBaseArgs:
     """A validated StackConfig's host as HostBaseArgs (host.args_for reads the test VM's info.json)."""
-    return HostBaseArgs(host=host.args_for(cfg), kernel=kernel.args_for(cfg))
+    return HostBaseArgs(host=host.args_for(cfg), kernel=kernel.args_for(cfg), watchdog=cfg.monitor.watchdog)
 
 
 def legacy_parent(node_name: str, fleet: pulumi.Resource) -> pulumi.Alias:
@@ -41,8 +44,9 @@ def legacy_parent(node_name: str, fleet: pulumi.Resource) -> pulumi.Alias:
 
 
 class HostBase(pulumi.ComponentResource):
-    """Host (identity, preflight, packages), then kernel tuning. Outputs: connection, facts,
-    identity, and the two stages nodes wait for (`host`: packages installed, `kernel`: tuned)."""
+    """Host (identity, preflight, packages), then kernel tuning and the watchdog. Outputs:
+    connection, facts, identity, and the two stages nodes wait for (`host`: packages
+    installed, `kernel`: tuned)."""
 
     def __init__(self, name: str, args: HostBaseArgs, moved_from: pulumi.Alias | None = None,
                  opts: pulumi.ResourceOptions | None = None):
@@ -55,4 +59,10 @@ class HostBase(pulumi.ComponentResource):
         # Kernel tuning needs only the preflight: it overlaps the package install.
         self.kernel = KernelTuning(f"{name}-kernel", args.kernel, self.connection, opts=pulumi.ResourceOptions(
             parent=self, depends_on=[self.host.preflight], aliases=moved))
+        self.watchdog = None
+        if args.watchdog:
+            w = watchdog.render()
+            self.watchdog = RemoteStep(f"{name}-watchdog", label="systemd watchdog", connection=self.connection,
+                                       files=w.files, apply=w.apply, check=w.check, destroy=w.destroy,
+                                       opts=pulumi.ResourceOptions(parent=self, depends_on=[self.host.preflight]))
         self.register_outputs({"address": self.host.address, "identity": self.identity})

@@ -82,14 +82,13 @@ class MonitorArgs:
     model: str
     """The served model name the probe asks for."""
     fim: models.FimFormat | None = models.QWEN_FIM
-    watchdog: bool = False
 
 
 def args_for(cfg, node: str) -> MonitorArgs:
     """A validated StackConfig's monitor settings for `node`."""
     return MonitorArgs(node=node, settings=settings(cfg), grace_s=cfg.runtime.start_timeout_s,
                        https_port=cfg.ingress.https_port, engine_port=cfg.engine.port, model=served_name(cfg),
-                       fim=cfg.model_spec.fim if cfg.model_spec else None, watchdog=cfg.monitor.watchdog)
+                       fim=cfg.model_spec.fim if cfg.model_spec else None)
 
 
 def settings(cfg) -> Settings:
@@ -141,7 +140,7 @@ def render_files(args: MonitorArgs, unit: str, key: str, ca_pem: str, *, service
                    grace_s=args.grace_s, probe_url=f"https://127.0.0.1:{args.https_port}",
                    metrics_url=f"http://127.0.0.1:{args.engine_port}/metrics", key_file=n["key_file"],
                    ca_file=n["ca_file"], model=args.model, fim=args.fim)
-    files = [
+    return [
         {"path": f"{n['lib_dir']}/fim-probe.sh", "mode": "0755", "content": (templates.FILES / "monitor/fim-probe.sh").read_text()},
         {"path": f"{n['lib_dir']}/recover.sh", "mode": "0755", "content": (templates.FILES / "monitor/recover.sh").read_text()},
         {"path": n["key_file"], "mode": "0600", "content": key},
@@ -153,16 +152,11 @@ def render_files(args: MonitorArgs, unit: str, key: str, ca_pem: str, *, service
         {"path": f"/etc/systemd/system/{n['timer']}", "mode": "0644", "content": templates.render(
             "monitor/monitor.timer.j2", unit=unit, interval_s=s.interval_s, accuracy_s=1)},
     ]
-    if args.watchdog:
-        files.append({"path": "/etc/systemd/system.conf.d/90-fimfleet-watchdog.conf", "mode": "0644",
-                      "content": templates.render("monitor/watchdog.conf.j2", watchdog_s="30s")})
-    return files
 
 
 def scripts(args: MonitorArgs, unit: str) -> dict[str, str]:
     """The monitor step's apply/check/destroy scripts, rendered exactly as they deploy."""
-    kw = dict(unit=unit, unit_base=Path(unit).stem, interval_s=args.settings.interval_s,
-              watchdog=args.watchdog, **names(args.node))
+    kw = dict(unit=unit, unit_base=Path(unit).stem, interval_s=args.settings.interval_s, **names(args.node))
     return {t: templates.render(f"monitor/{t}.sh.j2", **kw) for t in ("apply", "check", "destroy")}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components import config, grammar, host, kernel, monitor, runtime
+from components import config, grammar, host, kernel, monitor, runtime, watchdog
 from components.ingress import args_for as ingress_args
 from components.ingress import render_files as ingress_files
 from components.ingress import step_scripts as ingress_scripts
@@ -96,9 +96,11 @@ def scripts(cfg):
     for c, tag in ((cfg, ""), (acme, "-acme")):
         for step, body in ingress_scripts(c.ingress, ingress_files(ingress_args(c), "example.com", "CERT", "KEY")[1]).items():
             yield f"ingress-{step}{tag}", body
-    watchdog = cfg_for(cfg.tier.name, monitor={"watchdog": True})
-    for t, body in monitor.scripts(monitor.args_for(watchdog, "node"), r.unit).items():
+    for t, body in monitor.scripts(monitor.args_for(cfg, "node"), r.unit).items():
         yield f"monitor-{t}", body
+    w = watchdog.render()
+    for t in ("apply", "check", "destroy"):
+        yield f"watchdog-{t}", getattr(w, t)
     for f in ("fim-probe.sh", "recover.sh"):
         yield f, (templates.FILES / "monitor" / f).read_text()
 

@@ -226,3 +226,12 @@ def test_resources_that_moved_under_hostbase_alias_their_old_urns(recorder):
 
     return settle(fleet).apply(check)
 
+
+def test_the_watchdog_is_the_hosts_own_step_and_leaves_the_monitor_alone():
+    """systemd's watchdog is host-wide: HostBase holds it, only when it is on, and the node's
+    monitor step is the same either way (turning it off deletes the step, whose destroy undoes it)."""
+    off, on = _inputs_for(), _inputs_for(monitor={"watchdog": True})
+    assert "node-watchdog" not in off
+    assert _changed(off, on) == [] and set(on) - set(off) == {"node-watchdog"}
+    assert [f["path"] for f in on["node-watchdog"]["files"]] == ["/etc/systemd/system.conf.d/90-fimfleet-watchdog.conf"]
+    assert "daemon-reexec" in on["node-watchdog"]["apply"] and "daemon-reexec" in on["node-watchdog"]["destroy"]
