@@ -1,8 +1,9 @@
 """HostBase: what a host needs once, however many nodes it serves.
 
 The connection (identity pinned), preflight, packages, kernel tuning and systemd's watchdog
-belong to the host, not to a node: a second node on the same host shares them instead of writing the same
-sysctl and limits files again. NodeService (components/node.py) builds on its outputs.
+belong to the host, not to a node: a second node on the same host shares them instead of
+writing the same sysctl and limits files again. NodeService (components/node.py) builds on
+its outputs.
 
 Until the fleet shape, these resources lived under the node (InferenceNode). `moved_from`
 aliases them to those URNs, so an existing stack upgrades without replacing anything.
