@@ -363,7 +363,7 @@ class Monitoring(pulumi.ComponentResource):
 
     `ca_pems` maps a node name to its ingress CA as an Output (e.g. NginxIngress.ca_pem);
     `sla_reports` maps a node name to its FimSlaCheck `report` output, written as a textfile
-    on this host (or add_sla_report, when the gate itself waits for `installed`). Outputs: tunnel_command, url (through the tunnel), dashboard_json.
+    on this host. Outputs: tunnel_command, url (through the tunnel), dashboard_json.
     """
 
     def __init__(self, name: str, args: MonitoringArgs, connection: pulumi.Input[dict],
@@ -382,28 +382,17 @@ class Monitoring(pulumi.ComponentResource):
                 lambda pems, files=files: [{**f, "content": dict(zip(paths, pems)).get(f["path"], f["content"])}
                                            for f in files])
         self.steps = exporters + _remote_steps(self, name, specs, conn, exporters)
-        # What an SLA gate on this host waits for, so nothing of Prometheus is set up while it measures.
-        self.installed = list(self.steps)
-        self._name, self._conn, self._args = name, conn, args
-        self._textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
+        textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
         for node, report in (sla_reports or {}).items():
-            self.add_sla_report(node, report)
+            path = f"{textfile_dir}/fimfleet_sla_{node}.prom"
+            textfile = pulumi.Output.from_input(report).apply(
+                lambda r, node=node, path=path: [{"path": path, "mode": "0644", "content": sla_textfile(node, r)}])
+            self.steps.append(RemoteStep(
+                f"{name}-sla-{node}", label=f"SLA report textfile ({node})", connection=conn, files=textfile,
+                apply=templates.render("prometheus/sla-gate-apply.sh.j2", node=node, path=path),
+                destroy=templates.render("prometheus/sla-gate-destroy.sh.j2", path=path),
+                opts=pulumi.ResourceOptions(parent=self, depends_on=exporters)))
         self.tunnel_command = pulumi.Output.unsecret(conn.apply(lambda c: tunnel_command(c, args.listen)))
         self.url = f"http://localhost:{_split_hostport(args.listen)[1]}"
         self.dashboard_json = dashboard_json(args.stack)
         self.register_outputs({"tunnelCommand": self.tunnel_command, "url": self.url})
-
-    def add_sla_report(self, node: str, report: pulumi.Input[dict]) -> RemoteStep:
-        """Node `node`'s last SLA gate report as a textfile for node_exporter. A separate call, so
-        that the gate can wait for `installed` while this step waits for the gate's report."""
-        check(self._args, sla_nodes=[node])
-        path = f"{self._textfile_dir}/fimfleet_sla_{node}.prom"
-        textfile = pulumi.Output.from_input(report).apply(
-            lambda r: [{"path": path, "mode": "0644", "content": sla_textfile(node, r)}])
-        step = RemoteStep(
-            f"{self._name}-sla-{node}", label=f"SLA report textfile ({node})", connection=self._conn, files=textfile,
-            apply=templates.render("prometheus/sla-gate-apply.sh.j2", node=node, path=path),
-            destroy=templates.render("prometheus/sla-gate-destroy.sh.j2", path=path),
-            opts=pulumi.ResourceOptions(parent=self, depends_on=self.installed))
-        self.steps.append(step)
-        return step

@@ -1,9 +1,9 @@
 """NodeService: one node on a prepared host (HostBase), from its engine to its SLA gate.
 
-HostBase (preflight -> packages || kernel tuning) -> (vLLM runtime || nginx ingress ||
-Prometheus and node_exporter) -> monitor -> FIM SLA check -> the SLA report textfile. The SLA
-check's trigger hashes everything deployed before it, the host's kernel tuning and identity
-included, so any change upstream measures again and an unchanged stack does not.
+HostBase (preflight -> packages || kernel tuning) -> (vLLM runtime || nginx ingress) -> monitor
+-> FIM SLA check -> Prometheus and node_exporter. The SLA check's trigger hashes everything
+deployed before it, the host's kernel tuning and identity included, so any change upstream
+measures again and an unchanged stack does not.
 
 `args_for` turns a validated StackConfig into NodeArgs, one typed args object per component;
 the components never see the StackConfig.
@@ -135,14 +135,6 @@ class NodeService(pulumi.ComponentResource):
         # report in the outputs always belongs to the host that serves now.
         deployed = templates.digest(base.kernel.digest, self.runtime.digest, self.ingress.digest)
         trigger = base.identity.apply(lambda ident: templates.digest(deployed, ident))
-        # Prometheus and node_exporter are set up while the engine starts (they need only the
-        # packages and the CA); the gate waits for them, so nothing is installed while it measures.
-        self.monitoring = None
-        if args.monitoring:
-            self.monitoring = monitoring.Monitoring(
-                f"{name}-monitoring", args.monitoring, conn, exporter=args.exporter,
-                ca_pems={name: self.ingress.ca_pem} if args.ingress.settings.tls != "acme" else None,
-                opts=child(base.host))
         self.sla = None
         if args.sla:
             s = args.sla
@@ -152,9 +144,15 @@ class NodeService(pulumi.ComponentResource):
                 concurrency=s.concurrency, max_tokens=s.max_tokens, trigger=trigger,
                 ceiling=self.runtime.bandwidth_bytes_per_s.apply(
                     lambda bw: decode_ceiling_input(s.weight_bytes_per_token, bw)),
-                opts=child(self.monitor, *(self.monitoring.installed if self.monitoring else [])))
-            if self.monitoring:
-                self.monitoring.add_sla_report(name, self.sla.report)
+                opts=child(self.monitor))
+        # Prometheus on the node, after the gate so it never loads the host while the SLA is measured.
+        self.monitoring = None
+        if args.monitoring:
+            self.monitoring = monitoring.Monitoring(
+                f"{name}-monitoring", args.monitoring, conn, exporter=args.exporter,
+                sla_reports={name: self.sla.report} if self.sla else None,
+                ca_pems={name: self.ingress.ca_pem} if args.ingress.settings.tls != "acme" else None,
+                opts=child(self.sla or self.monitor))
         self.model = args.model
         self.kv_cache = self.runtime.kv_cache_tokens.apply(lambda v: sizing.kv_capacity_report(args.memory, v))
         ed = args.editors

@@ -85,9 +85,8 @@ def test_dependency_order(recorder):
 
 @pulumi.runtime.test
 def test_only_what_needs_the_engine_waits_for_it_and_the_rest_overlaps(recorder):
-    """Nothing that needs the engine (monitor, SLA gate, the gate's report for Prometheus) can
-    run before its start has finished, and what does not need it (kernel tuning, nginx,
-    Prometheus and node_exporter) does not wait for it."""
+    """Nothing that needs the engine (monitor, SLA gate, Prometheus) can run before its start has
+    finished, and what does not need it (kernel tuning, nginx) does not wait for it."""
     fleet = build()
 
     def check(_):
@@ -121,18 +120,14 @@ def test_only_what_needs_the_engine_waits_for_it_and_the_rest_overlaps(recorder)
                     todo.append(parent)
             return waits
 
-        for needs_engine in ("node-monitor-timer", "node-sla", "node-monitoring-sla-node"):
+        for needs_engine in ("node-monitor-timer", "node-sla", "node-monitoring"):
             assert "node-runtime-service" in closure(needs_engine), needs_engine
-        for independent in ("node-kernel-apply", "node-ingress-nginx", "node-host-packages",
-                            "node-monitoring-exporter", "node-monitoring-prometheus"):
+        for independent in ("node-kernel-apply", "node-ingress-nginx", "node-host-packages"):
             assert "node-runtime-service" not in closure(independent), independent
         assert "node-host-packages" not in closure("node-kernel-apply")
-        # Prometheus is set up while the engine starts, never while the gate measures.
-        assert {"node-monitoring-exporter", "node-monitoring-prometheus", "node-host-packages"} <= closure("node-sla")
-        assert "node-sla" in closure("node-monitoring-sla-node")
 
     node = fleet.nodes["node"]
-    return pulumi.Output.all(settle(fleet), node.monitoring.urn, node.monitoring.steps[-1].id).apply(check)
+    return pulumi.Output.all(settle(fleet), node.monitoring.urn).apply(check)
 
 
 @pulumi.runtime.test
