@@ -1,8 +1,8 @@
 """HostBase: what a host needs once, however many nodes it serves.
 
-The connection (identity pinned), preflight, packages, kernel tuning and systemd's watchdog
-belong to the host, not to a node: a second node on the same host shares them instead of
-writing the same sysctl and limits files again. NodeService (components/node.py) builds on
+The connection (identity pinned), preflight, packages, kernel tuning, nginx's main config
+and systemd's watchdog belong to the host, not to a node: a second node on the same host
+shares them instead of writing the same sysctl, limits and nginx files again. NodeService (components/node.py) builds on
 its outputs.
 
 Until the fleet shape, these resources lived under the node (InferenceNode). `moved_from`
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pulumi
 
-from components import host, kernel, watchdog
+from components import host, kernel, nginx_base, templates, watchdog
 from components.host import Host
 from components.kernel import KernelTuning
 from components.remote import RemoteStep
@@ -26,12 +26,13 @@ LEGACY_NODE_TYPE = "fimfleet:node:InferenceNode"
 
 @dataclass(frozen=True)
 class HostBaseArgs:
-    """One host: how to reach and check it (host.HostArgs), how its kernel is tuned, and whether
-    systemd's hardware watchdog reboots it when it hangs."""
+    """One host: how to reach and check it (host.HostArgs), how its kernel is tuned, how its
+    nginx runs, and whether systemd's hardware watchdog reboots it when it hangs."""
 
     host: host.HostArgs
     kernel: kernel.KernelArgs
     watchdog: bool = False
+    nginx: nginx_base.NginxBase = nginx_base.NginxBase()
 
 
 def args_for(cfg) -> HostBaseArgs:
@@ -45,9 +46,10 @@ def legacy_parent(node_name: str, fleet: pulumi.Resource) -> pulumi.Alias:
 
 
 class HostBase(pulumi.ComponentResource):
-    """Host (identity, preflight, packages), then kernel tuning and the watchdog. Outputs:
-    connection, facts, identity, and the two stages nodes wait for (`host`: packages
-    installed, `kernel`: tuned)."""
+    """Host (identity, preflight, packages), then kernel tuning, nginx's main config and the
+    watchdog. Outputs: connection, facts, identity, the nginx settings (`nginx_settings`),
+    and the stages nodes wait for (`host`: packages installed, `kernel`: tuned, `nginx`:
+    the main config that includes their sites)."""
 
     def __init__(self, name: str, args: HostBaseArgs, moved_from: pulumi.Alias | None = None,
                  opts: pulumi.ResourceOptions | None = None):
@@ -60,6 +62,12 @@ class HostBase(pulumi.ComponentResource):
         # Kernel tuning needs only the preflight: it overlaps the package install.
         self.kernel = KernelTuning(f"{name}-kernel", args.kernel, self.connection, opts=pulumi.ResourceOptions(
             parent=self, depends_on=[self.host.preflight], aliases=moved))
+        self.nginx_settings = args.nginx
+        n = nginx_base.render(args.nginx)
+        self.nginx = RemoteStep(f"{name}-nginx", label="nginx (host)", connection=self.connection, files=n.files,
+                                apply=n.apply, check=n.check, destroy=n.destroy,
+                                opts=pulumi.ResourceOptions(parent=self, depends_on=[self.host]))
+        self.nginx_digest = templates.digest(n.files, n.apply)
         self.watchdog = None
         if args.watchdog:
             w = watchdog.render()

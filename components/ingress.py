@@ -1,8 +1,9 @@
 """NginxIngress: TLS, named bearer keys, per-key rate limits and unbuffered SSE in front of vLLM.
 
-The nginx config itself is rendered by components/ingress_render.py (pure, tested with
-the real nginx). This component chooses the certificate source, stages the files on
-the host and installs them only when `nginx -t` accepts them (files/ingress/).
+The node's nginx site is rendered by components/ingress_render.py (pure, tested with the
+real nginx); the host's main config belongs to HostBase (components/nginx_base.py). This
+component chooses the certificate source, stages the node's files on the host and installs
+them only when `nginx -t` accepts them (files/ingress/).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import pulumi
 from components import templates
 from components.config import IngressConfig
 from components.host import HostFacts
-from components.ingress_render import (NGINX_DROPIN_PATH, IngressSpec, _is_ip, body_size_for, ingress_install_plan,
-                                       metrics_cidrs, render_nginx_dropin)
+from components.ingress_render import IngressSpec, _is_ip, body_size_for, metrics_cidrs, site_files
+from components.nginx_base import LEGACY_FILES, STATE_DIR, NginxBase
 from components.remote import RemoteStep
 from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
 
-STAGED_DIR = "/etc/fimfleet/nginx-staged"
-TLS_DIR = "/etc/fimfleet/tls"
+STAGED_ROOT = "/etc/fimfleet/nginx-staged"
+TLS_ROOT = "/etc/fimfleet/tls"
+"""Each node's staged files and certificate live in a directory named after it."""
 RENEW_HINTS = {
     "self-signed": "the next pulumi up reissues it",
     "acme": "certbot.timer should have renewed it: see journalctl -u certbot; pulumi up runs certbot renew",
@@ -35,6 +37,8 @@ class IngressArgs:
     """What one node's ingress needs: its own settings and the few facts of the engine and
     stack it fronts. The API keys and a provided certificate are secrets."""
 
+    node: str
+    """The node's name: its files, certificate, log and nginx names carry it."""
     settings: IngressConfig
     """fimfleet:ingress, validated."""
     upstream_port: int
@@ -48,10 +52,11 @@ class IngressArgs:
     tls_key: str | None = None
 
 
-def args_for(cfg) -> IngressArgs:
-    """A validated StackConfig's ingress, with the engine and secrets it needs."""
-    return IngressArgs(settings=cfg.ingress, upstream_port=cfg.engine.port, max_model_len=cfg.engine.max_model_len,
-                       monitoring=cfg.monitoring.enabled, api_keys=dict(cfg.secrets.api_keys),
+def args_for(cfg, node: str = "node") -> IngressArgs:
+    """A validated StackConfig's ingress of node `node`, with the engine and secrets it needs."""
+    return IngressArgs(node=node, settings=cfg.ingress, upstream_port=cfg.engine.port,
+                       max_model_len=cfg.engine.max_model_len, monitoring=cfg.monitoring.enabled,
+                       api_keys=dict(cfg.secrets.api_keys),
                        tls_cert=cfg.secrets.tls_cert, tls_key=cfg.secrets.tls_key)
 
 
@@ -64,10 +69,11 @@ def endpoint_url(host: str, port: int) -> str:
 
 
 def spec_for(args: IngressArgs, server_name: str, cert_path: str, key_path: str,
-             extra_keys: dict | None = None) -> IngressSpec:
+             extra_keys: dict | None = None, nginx: NginxBase = NginxBase()) -> IngressSpec:
     i = args.settings
     return IngressSpec(
-        server_name=server_name, tls_cert_path=cert_path, tls_key_path=key_path, upstream_port=args.upstream_port,
+        node=args.node, base=nginx, server_name=server_name, tls_cert_path=cert_path, tls_key_path=key_path,
+        upstream_port=args.upstream_port,
         api_keys={**args.api_keys, **(extra_keys or {})}, https_port=i.https_port, http_port=i.http_port,
         rate_per_second=i.rate_per_second, burst=i.burst,
         metrics_allow_cidrs=metrics_cidrs(i.metrics_allow_cidrs, args.monitoring),
@@ -76,42 +82,42 @@ def spec_for(args: IngressArgs, server_name: str, cert_path: str, key_path: str,
     )
 
 
-def tls_paths(i: IngressConfig) -> tuple[str, str]:
-    """Where the certificate chain and its key live on the host (i: fimfleet:ingress)."""
+def tls_paths(i: IngressConfig, node: str) -> tuple[str, str]:
+    """Where node `node`'s certificate chain and key live on the host (i: fimfleet:ingress)."""
     if i.tls == "acme":
         live = f"/etc/letsencrypt/live/{i.domain}"
         return f"{live}/fullchain.pem", f"{live}/privkey.pem"
-    return f"{TLS_DIR}/server.pem", f"{TLS_DIR}/server.key"
+    return f"{TLS_ROOT}/{node}/server.pem", f"{TLS_ROOT}/{node}/server.key"
 
 
 def render_files(args: IngressArgs, server_name: str, cert_pem: str, key_pem: str,
-                 extra_keys: dict | None = None) -> tuple[list[dict], list[dict]]:
+                 extra_keys: dict | None = None, nginx: NginxBase = NginxBase()) -> tuple[list[dict], list[dict]]:
     """Files to stage (uploaded) and where apply installs them; extra_keys are fimfleet's own (the probe's)."""
-    cert_path, key_path = tls_paths(args.settings)
-    spec = spec_for(args, server_name, cert_path, key_path, extra_keys)
-    staged, installs = [], []
-    for f in ingress_install_plan(spec):
-        name = f.path.rsplit("/", 1)[-1]
-        staged.append({"path": f"{STAGED_DIR}/{name}", "mode": f"{f.mode:04o}", "content": f.content})
-        installs.append({"name": name, "dest": f.path, "mode": f"{f.mode:04o}"})
-    dropin = NGINX_DROPIN_PATH.rsplit("/", 1)[-1]
-    staged.append({"path": f"{STAGED_DIR}/{dropin}", "mode": "0644", "content": render_nginx_dropin(spec)})
-    installs.append({"name": dropin, "dest": NGINX_DROPIN_PATH, "mode": "0644"})
+    cert_path, key_path = tls_paths(args.settings, args.node)
+    spec = spec_for(args, server_name, cert_path, key_path, extra_keys, nginx)
+    rendered = [(f.path, f"{f.mode:04o}", f.content) for f in site_files(spec)]
     if args.settings.tls != "acme":
-        for name, dest, mode, content in (("server.pem", cert_path, "0644", cert_pem), ("server.key", key_path, "0600", key_pem)):
-            staged.append({"path": f"{STAGED_DIR}/{name}", "mode": mode, "content": content})
-            installs.append({"name": name, "dest": dest, "mode": mode})
+        rendered += [(cert_path, "0644", cert_pem), (key_path, "0600", key_pem)]
+    staged_dir = f"{STAGED_ROOT}/{args.node}"
+    staged, installs = [], []
+    for dest, mode, content in rendered:
+        name = dest.rsplit("/", 1)[-1]
+        staged.append({"path": f"{staged_dir}/{name}", "mode": mode, "content": content})
+        installs.append({"name": name, "dest": dest, "mode": mode})
     return staged, installs
 
 
-def step_scripts(i: IngressConfig, installs: list[dict]) -> dict[str, str]:
+def step_scripts(args: IngressArgs, installs: list[dict], server_name: str = "localhost",
+                 nginx: NginxBase = NginxBase()) -> dict[str, str]:
     """apply, check and destroy of the ingress step. On refresh a certificate near expiry is
     drift (warned; the next up applies again); at the end of apply it only warns, so a short
     test validity still deploys."""
-    kw = dict(conf_dir="/etc/nginx", staged_dir=STAGED_DIR, tls_dir=TLS_DIR, files=installs,
+    i = args.settings
+    kw = dict(main=nginx.main_path, sites=nginx.sites_dir, staged_dir=f"{STAGED_ROOT}/{args.node}",
+              staged_root=STAGED_ROOT, tls_dir=f"{TLS_ROOT}/{args.node}", tls_root=TLS_ROOT,
+              prev_dir=f"{STATE_DIR}/{args.node}-prev", legacy=LEGACY_FILES, files=installs, server_name=server_name,
               https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
-              tls_cert=tls_paths(i)[0], dropin=NGINX_DROPIN_PATH, renew_days=RENEW_BEFORE_DAYS,
-              renew_hint=RENEW_HINTS[i.tls])
+              tls_cert=tls_paths(i, args.node)[0], renew_days=RENEW_BEFORE_DAYS, renew_hint=RENEW_HINTS[i.tls])
     check = {drift: templates.render("ingress/check.sh.j2", expiry_is_drift=drift, **kw) for drift in (True, False)}
     return {"apply": templates.render("ingress/apply.sh.j2", check=check[False], **kw), "check": check[True],
             "destroy": templates.render("ingress/destroy.sh.j2", **kw)}
@@ -121,7 +127,8 @@ class NginxIngress(pulumi.ComponentResource):
     """See module docstring. Outputs: endpoint, probe_endpoint, ca_pem, digest."""
 
     def __init__(self, name: str, args: IngressArgs, host: HostFacts, connection: pulumi.Input[dict],
-                 extra_keys: dict[str, pulumi.Input[str]] | None = None, opts: pulumi.ResourceOptions | None = None):
+                 nginx: NginxBase, extra_keys: dict[str, pulumi.Input[str]] | None = None,
+                 opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:ingress:NginxIngress", name, None, opts)
         extra_keys = extra_keys or {}
         child = pulumi.ResourceOptions(parent=self)
@@ -149,12 +156,12 @@ class NginxIngress(pulumi.ComponentResource):
 
         server_name = i.domain or (host.configured_address if host.kind == "ssh" else "localhost")
         rendered = pulumi.Output.all(cert_pem, key_pem, pulumi.Output.all(**extra_keys)).apply(
-            lambda a: render_files(args, server_name, a[0], a[1], a[2]))
+            lambda a: render_files(args, server_name, a[0], a[1], a[2], nginx))
         staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))
         # Install paths, modes and the digest do not depend on the PEMs: render once with placeholders.
         placeholder_keys = {n: f"placeholder{i:04d}".ljust(32, "0") for i, n in enumerate(sorted(extra_keys))}
-        placeholder_staged, installs = render_files(args, server_name, "<cert>", "<key>", placeholder_keys)
-        scripts = step_scripts(i, installs)
+        placeholder_staged, installs = render_files(args, server_name, "<cert>", "<key>", placeholder_keys, nginx)
+        scripts = step_scripts(args, installs, server_name, nginx)
         self.digest = templates.digest(placeholder_staged, i.tls)
         self.step = RemoteStep(f"{name}-nginx", label="nginx ingress", connection=conn, files=staged,
                                apply=scripts["apply"], check=scripts["check"], destroy=scripts["destroy"], opts=child)

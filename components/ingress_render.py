@@ -1,23 +1,18 @@
-"""Pure rendering of the nginx ingress that sits in front of vLLM.
+"""Pure rendering of one node's nginx site: the ingress that sits in front of its vLLM.
 
 No Pulumi imports here: ``components/ingress.py`` (the Pulumi component) builds an
-:class:`IngressSpec` from the validated stack config, calls :func:`render_ingress`
-(or :func:`ingress_install_plan`) and uploads the files. Everything in this module
-is testable with plain pytest and the real ``nginx -t``.
+:class:`IngressSpec` from the validated stack config, calls :func:`site_files` and uploads
+the files. Everything in this module is testable with plain pytest and the real ``nginx -t``.
 
-Rendered files (all live in ``spec.conf_dir``, ``/etc/nginx`` on a host):
+A node's files live in the host's ``fimfleet.d/`` (components/nginx_base.py owns the main
+config that includes them):
 
-* ``nginx.conf``          0644  main config: workers, pid, temp paths, includes the two below
-* ``fimfleet-site.conf``  0644  http-level config: TLS server, redirect, limits, upstream, ACLs
-* ``fimfleet-keys.conf``  0600  SECRET: bearer-key map and upstream key (included by the site)
+* ``<node>.conf``  0644  TLS server, redirect, limits, upstream, ACLs; includes the keys file
+* ``<node>.keys``  0600  SECRET: bearer-key map and upstream key
 
-:func:`render_nginx_dropin` renders the systemd drop-in (``NGINX_DROPIN_PATH``) that gives
-the nginx unit the same descriptor limit as ``worker_rlimit_nofile`` (:func:`nofile_limit`).
-
-The main config is self-contained (it does not include Debian's ``sites-enabled``), so
-Debian's default site cannot grab port 80. It sets no ``daemon`` directive, because
-Debian's systemd unit passes ``-g 'daemon on; master_process on;'`` and a duplicate
-would make nginx refuse to start.
+Several nodes share one http block, so every http-level name a site defines carries its
+node's name (:func:`name_prefix`), and the settings nginx allows once per level live in
+the site's server blocks.
 """
 
 from __future__ import annotations
@@ -26,35 +21,12 @@ import ipaddress
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence
 
-import jinja2
-
-from components import grammar
-from components.templates import make_environment
-
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "files" / "nginx"
-
-MAIN_CONF = "nginx.conf"
-SITE_CONF = "fimfleet-site.conf"
-KEYS_CONF = "fimfleet-keys.conf"
-
-#: relative file name -> (template, install mode, holds secrets)
-_FILES = {
-    MAIN_CONF: ("nginx.conf.j2", 0o644, False),
-    SITE_CONF: ("fimfleet-site.conf.j2", 0o644, False),
-    KEYS_CONF: ("fimfleet-keys.conf.j2", 0o600, True),
-}
-
-#: install mode of each rendered file
-INGRESS_FILE_MODES = {name: mode for name, (_, mode, _) in _FILES.items()}
-#: rendered files whose content is secret (wrap them in pulumi.Output.secret)
-INGRESS_SECRET_FILES = frozenset(n for n, (_, _, secret) in _FILES.items() if secret)
+from components import grammar, nginx_base
+from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, check_int, check_path, int_problem
 
 _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
-# absolute path without whitespace, quotes, ';', '{', '}', '$', '#' or backslash
-_PATH_RE = re.compile(r"^/[A-Za-z0-9._+@%,:=/-]*$")
 
 SSL_ECDH_CURVES = "X25519:prime256v1:secp384r1"
 """Mozilla intermediate key-exchange groups (guidelines 5.7-6.0). 6.0 also lists the hybrid
@@ -66,10 +38,6 @@ BODY_BYTES_PER_TOKEN = 16
 escaping (quotes, newlines, \\uXXXX for non-ASCII) can multiply that by up to 4."""
 BODY_ENVELOPE_KIB = 16
 """Room for the rest of a completion request (model, stop tokens, sampling fields)."""
-
-NGINX_DROPIN_PATH = "/etc/systemd/system/nginx.service.d/fimfleet-limits.conf"
-"""systemd drop-in that sets the nginx unit's LimitNOFILE (see render_nginx_dropin)."""
-
 
 LOOPBACK_CIDRS = ("127.0.0.1/32", "::1/128")
 
@@ -101,14 +69,13 @@ INT_RULES = {
     "client_body_timeout_s": (1, 3600),
     "send_timeout_s": (1, 3600),
     "max_conns_per_address": (1, 65535),
-    "worker_connections": (16, 524288),
     "hsts_max_age_s": (0, 10 * 365 * 86400),
 }
 
 
 @dataclass(frozen=True)
 class IngressSpec:
-    """Everything the nginx ingress needs. Validated on construction (ValueError)."""
+    """Everything one node's nginx site needs. Validated on construction (ValueError)."""
 
     server_name: str
     """DNS name (or IP) the editors use; must match the TLS certificate."""
@@ -120,7 +87,7 @@ class IngressSpec:
     """Port of vLLM's OpenAI-compatible server on ``upstream_host``."""
     api_keys: Mapping[str, str] = field(repr=False)
     """SECRET. key name -> bearer key. Names are logged and rate-limited; keys never
-    leave ``fimfleet-keys.conf``. Remove an entry (and reload) to revoke that key."""
+    leave the node's keys file. Remove an entry (and reload) to revoke that key."""
     https_port: int = 443
     """TLS listener port."""
     http_port: int = 80
@@ -163,20 +130,10 @@ class IngressSpec:
     max_conns_per_address: int = 32
     """Requests in progress per client address (limit_conn); idle keep-alive connections do not
     count. Editors send one completion at a time, so 32 leaves room for a team behind one NAT."""
-    worker_processes: Union[int, str] = "auto"
-    """nginx worker_processes ("auto" = one per core)."""
-    worker_connections: int = 1024
-    """nginx worker_connections (client and upstream connections together, per worker)."""
-    worker_user: Optional[str] = "www-data"
-    """User the workers run as when the master runs as root; None omits the directive."""
-    conf_dir: str = "/etc/nginx"
-    """Where the three rendered files are installed (include paths are absolute)."""
-    log_dir: str = "/var/log/nginx"
-    """Directory of fimfleet-access.log (JSON lines, key NAME only) and fimfleet-error.log."""
-    pid_path: str = "/run/nginx.pid"
-    """nginx pid file (Debian's systemd unit expects /run/nginx.pid)."""
-    temp_dir: str = "/var/lib/nginx"
-    """Parent of nginx's body/proxy/fastcgi/uwsgi/scgi temp directories."""
+    node: str = "node"
+    """The node's name: its file names, log and every http-level name it defines carry it."""
+    base: NginxBase = NginxBase()
+    """The host's nginx the site is installed into (its paths, and the workers tests start)."""
     hsts_max_age_s: int = 63072000
     """Strict-Transport-Security max-age (2 years); 0 disables the header."""
     stream_buffering: bool = False
@@ -195,7 +152,7 @@ class IngressSpec:
 
 
 def _fail(field_name: str, value: object, fix: str) -> None:
-    raise ValueError(f"IngressSpec.{field_name}: invalid value {value!r}; {fix}")
+    nginx_base.fail("IngressSpec", field_name, value, fix)
 
 
 def _redact(key: object) -> str:
@@ -203,17 +160,6 @@ def _redact(key: object) -> str:
     if not isinstance(key, str):
         return f"<{type(key).__name__}>"
     return f"<secret of {len(key)} chars>"
-
-
-def _int_problem(value: object, lo: int, hi: int) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        return f"must be between {lo} and {hi}"
-    return None
-
-
-def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if fix := _int_problem(value, lo, hi):
-        _fail(name, value, fix)
 
 
 def _size_problem(value: object) -> Optional[str]:
@@ -228,7 +174,7 @@ def setting_problem(name: str, value: object) -> Optional[str]:
     ``name`` is an IngressSpec field (INT_RULES, ``client_max_body_size``) or
     ``metrics_allow_cidr`` (one entry of ``metrics_allow_cidrs``)."""
     if name in INT_RULES:
-        return _int_problem(value, *INT_RULES[name])
+        return int_problem(value, *INT_RULES[name])
     if name == "client_max_body_size":
         return _size_problem(value)
     if name == "metrics_allow_cidr":
@@ -241,12 +187,6 @@ def rule(name: str, allow_empty: bool = False) -> Callable[[object], Optional[st
     ``allow_empty`` an empty string (meaning "derive it") passes."""
     setting_problem(name, None)  # unknown names fail at import, not at the first bad value
     return lambda value: None if allow_empty and value == "" else setting_problem(name, value)
-
-
-def _check_path(name: str, value: object) -> None:
-    if not isinstance(value, str) or not _PATH_RE.match(value) or "//" in value or "/../" in value + "/":
-        _fail(name, value, "use an absolute path made of letters, digits and ._+@%,:=/- "
-              "(no spaces, quotes, ';', '$', '..')")
 
 
 def _check_host(name: str, value: object) -> None:
@@ -262,9 +202,13 @@ def _check_bearer(name: str, value: object, what: str) -> None:
 
 def validate_spec(spec: IngressSpec) -> None:
     """Raise ValueError naming the field, the bad value and the fix."""
+    if not isinstance(spec.node, str) or not grammar.DNS_LABEL.fullmatch(spec.node):
+        _fail("node", spec.node, "use a DNS label: lowercase letters, digits and '-', up to 63")
+    if not isinstance(spec.base, NginxBase):
+        _fail("base", spec.base, "give the host's nginx as a NginxBase")
     _check_host("server_name", spec.server_name)
     for name, (lo, hi) in INT_RULES.items():
-        _check_int(name, getattr(spec, name), lo, hi)
+        check_int("IngressSpec", name, getattr(spec, name), lo, hi)
     if spec.https_port == spec.http_port:
         _fail("http_port", spec.http_port, "use a port different from https_port")
     if not spec.listen_addresses:
@@ -276,8 +220,8 @@ def validate_spec(spec: IngressSpec) -> None:
             _fail("listen_addresses", addr, "use IP addresses such as '0.0.0.0', '::' or '127.0.0.1'")
     if len(set(spec.listen_addresses)) != len(spec.listen_addresses):
         _fail("listen_addresses", spec.listen_addresses, "list each address once")
-    _check_path("tls_cert_path", spec.tls_cert_path)
-    _check_path("tls_key_path", spec.tls_key_path)
+    check_path("IngressSpec", "tls_cert_path", spec.tls_cert_path)
+    check_path("IngressSpec", "tls_key_path", spec.tls_key_path)
     _check_host("upstream_host", spec.upstream_host)
 
     if not isinstance(spec.api_keys, dict) or not spec.api_keys:
@@ -299,14 +243,6 @@ def validate_spec(spec: IngressSpec) -> None:
             _fail("metrics_allow_cidrs", cidr, fix)
     if fix := _size_problem(spec.client_max_body_size):
         _fail("client_max_body_size", spec.client_max_body_size, fix)
-    if spec.worker_processes != "auto":
-        _check_int("worker_processes", spec.worker_processes, 1, 1024)
-    if spec.worker_user is not None and (
-        not isinstance(spec.worker_user, str) or not re.match(r"^[a-z_][a-z0-9_-]{0,31}$", spec.worker_user)
-    ):
-        _fail("worker_user", spec.worker_user, "use a POSIX user name such as 'www-data', or None")
-    for name in ("conf_dir", "log_dir", "pid_path", "temp_dir"):
-        _check_path(name, getattr(spec, name))
     if not isinstance(spec.stream_buffering, bool):
         _fail("stream_buffering", spec.stream_buffering, "use False (True is a test-only negative control)")
 
@@ -326,23 +262,29 @@ def _listen(addr: str, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
-def nofile_limit(spec: IngressSpec) -> int:
-    """Descriptors per nginx process: a proxied request holds two (client and upstream)."""
-    return 2 * spec.worker_connections
+def name_prefix(node: str) -> str:
+    """What every http-level name of node `node`'s site starts with (nginx names take no '-')."""
+    return "fimfleet_" + node.replace("-", "_")
 
 
-def _environment() -> jinja2.Environment:
-    # nginx templates are laid out for trim_blocks/lstrip_blocks.
-    return make_environment(TEMPLATE_DIR, trim_blocks=True, lstrip_blocks=True)
+def site_conf(node: str) -> str:
+    """The node's site, relative to conf_dir (the host's main config includes it)."""
+    return f"{SITES_DIR}/{node}.conf"
+
+
+def keys_conf(node: str) -> str:
+    """The node's keys (SECRET, 0600), relative to conf_dir: only its site includes it."""
+    return f"{SITES_DIR}/{node}.keys"
 
 
 def _context(spec: IngressSpec) -> dict:
-    conf_dir = spec.conf_dir.rstrip("/") or "/"
+    conf_dir = spec.base.conf_dir.rstrip("/") or "/"
     https_suffix = "" if spec.https_port == 443 else f":{spec.https_port}"
     return {
         "spec": spec,
-        "site_conf_path": f"{conf_dir}/{SITE_CONF}",
-        "keys_conf_path": f"{conf_dir}/{KEYS_CONF}",
+        "p": name_prefix(spec.node),
+        "keys_conf_path": f"{conf_dir}/{keys_conf(spec.node)}",
+        "access_log": access_log(spec),
         "https_listens": [_listen(a, spec.https_port) for a in spec.listen_addresses],
         "http_listens": [_listen(a, spec.http_port) for a in spec.listen_addresses],
         "redirect_base": f"https://{spec.server_name}{https_suffix}",
@@ -355,8 +297,12 @@ def _context(spec: IngressSpec) -> dict:
         "https_required": _https_required_body(f"https://{spec.server_name}{https_suffix}/v1/"),
         "https_required_status": HTTPS_REQUIRED_STATUS,
         "ecdh_curves": SSL_ECDH_CURVES,
-        "nofile": nofile_limit(spec),
     }
+
+
+def access_log(spec: IngressSpec) -> str:
+    """The node's JSON access log (key names, never keys)."""
+    return f"{spec.base.log_dir.rstrip('/')}/fimfleet-{spec.node}-access.log"
 
 
 def _is_ip(value: str) -> bool:
@@ -406,29 +352,12 @@ def _https_required_body(url: str) -> str:
                        "network unencrypted; rotate it)")
 
 
-def render_ingress(spec: IngressSpec) -> dict[str, str]:
-    """Render the ingress. Returns relative file name -> content (see module doc).
-
-    ``fimfleet-keys.conf`` holds every secret; the other two files hold none.
-    """
-    validate_spec(spec)
-    env = _environment()
-    ctx = _context(spec)
-    return {name: env.get_template(template).render(**ctx) for name, (template, _, _) in _FILES.items()}
-
-
-def render_nginx_dropin(spec: IngressSpec) -> str:
-    """systemd drop-in for nginx.service (install at NGINX_DROPIN_PATH, then daemon-reload)."""
-    validate_spec(spec)
-    return _environment().get_template("nginx-limits.conf.j2").render(nofile=nofile_limit(spec))
-
-
 @dataclass(frozen=True)
 class IngressFile:
     """One rendered file with where and how to install it."""
 
     path: str
-    """Absolute install path (conf_dir + name)."""
+    """Absolute install path."""
     content: str = field(repr=False)
     """File content (secret when ``secret`` is True)."""
     mode: int
@@ -437,22 +366,32 @@ class IngressFile:
     """True when content holds API keys: wrap it in pulumi.Output.secret."""
 
 
+def site_files(spec: IngressSpec) -> list[IngressFile]:
+    """The node's site and keys, as its ingress step installs them (keys last)."""
+    validate_spec(spec)
+    env = nginx_base.environment()
+    ctx = _context(spec)
+    conf_dir = spec.base.conf_dir.rstrip("/") or "/"
+    return [IngressFile(f"{conf_dir}/{site_conf(spec.node)}", env.get_template("site.conf.j2").render(**ctx), 0o644, False),
+            IngressFile(f"{conf_dir}/{keys_conf(spec.node)}", env.get_template("keys.conf.j2").render(**ctx), 0o600, True)]
+
+
 def ingress_install_plan(spec: IngressSpec) -> list[IngressFile]:
-    """The rendered files as absolute paths with modes, key file last (install the key
-    file before reloading; validate with ``nginx_test_command`` before reloading)."""
-    conf_dir = spec.conf_dir.rstrip("/") or "/"
-    rendered = render_ingress(spec)
-    return [
-        IngressFile(f"{conf_dir}/{name}", rendered[name], _FILES[name][1], _FILES[name][2])
-        for name in (MAIN_CONF, SITE_CONF, KEYS_CONF)
-    ]
+    """What a host serving this one node holds: its main config, then the node's files."""
+    return [IngressFile(spec.base.main_path, nginx_base.render_main(spec.base), 0o644, False), *site_files(spec)]
+
+
+def render_ingress(spec: IngressSpec) -> dict[str, str]:
+    """ingress_install_plan as file name relative to conf_dir -> content; only the keys file holds secrets."""
+    conf_dir = spec.base.conf_dir.rstrip("/") + "/"
+    return {f.path.removeprefix(conf_dir): f.content for f in ingress_install_plan(spec)}
 
 
 def nginx_test_command(spec: IngressSpec, nginx: str = "nginx") -> list[str]:
     """argv that validates the installed config: ``nginx -t -c <conf_dir>/nginx.conf``."""
-    return [nginx, "-t", "-q", "-c", f"{spec.conf_dir.rstrip('/')}/{MAIN_CONF}"]
+    return [nginx, "-t", "-q", "-c", spec.base.main_path]
 
 
 def nginx_reload_command(spec: IngressSpec, nginx: str = "nginx") -> list[str]:
     """argv that reloads a running nginx started from this config (``-s reload``)."""
-    return [nginx, "-c", f"{spec.conf_dir.rstrip('/')}/{MAIN_CONF}", "-s", "reload"]
+    return [nginx, "-c", spec.base.main_path, "-s", "reload"]

@@ -1,6 +1,6 @@
 """NodeService: one node on a prepared host (HostBase), from its engine to its SLA gate.
 
-HostBase (preflight -> packages || kernel tuning) -> (vLLM runtime || nginx ingress) -> monitor
+HostBase (preflight -> packages -> nginx || kernel tuning) -> (vLLM runtime || nginx site) -> monitor
 -> FIM SLA check -> Prometheus and node_exporter. The SLA check's trigger hashes everything
 deployed before it, the host's kernel tuning and identity included, so any change upstream
 measures again and an unchanged stack does not.
@@ -88,7 +88,7 @@ def monitoring_args(cfg: StackConfig, name: str, unit: str) -> tuple[MonitoringA
     if not cfg.monitoring.enabled:
         return None
     return monitoring.args_for(cfg, name), ExporterArgs(
-        name, monitors=((name, unit),), certificates=((name, tls_paths(cfg.ingress)[0]),), interval_s=cfg.monitor.interval_s)
+        name, monitors=((name, unit),), certificates=((name, tls_paths(cfg.ingress, name)[0]),), interval_s=cfg.monitor.interval_s)
 
 
 def args_for(cfg: StackConfig, name: str, host: str) -> NodeArgs:
@@ -100,7 +100,7 @@ def args_for(cfg: StackConfig, name: str, host: str) -> NodeArgs:
     watched = monitoring_args(cfg, name, run.unit)
     if watched:
         watched = (dataclasses.replace(watched[0], stack=pulumi.get_stack()), watched[1])
-    return NodeArgs(host=host, runtime=run, ingress=ingress.args_for(cfg),
+    return NodeArgs(host=host, runtime=run, ingress=ingress.args_for(cfg, name),
                     monitor=monitor.args_for(cfg, name), editors=editors.args_for(cfg), model=served_name(cfg),
                     api_keys=dict(cfg.secrets.api_keys), probe_key_rotation=cfg.monitor.probe_key_rotation, sla=sla,
                     monitoring=watched[0] if watched else None, exporter=watched[1] if watched else None,
@@ -119,21 +119,22 @@ class NodeService(pulumi.ComponentResource):
 
         conn = base.connection
         # What does not depend on each other overlaps: nginx with the engine start. The engine waits
-        # for the tuned kernel; nginx only for the packages. The monitor needs both the unit and
+        # for the tuned kernel; the node's nginx site only for the host's nginx. The monitor needs both the unit and
         # the ingress; the SLA gate, everything.
         self.runtime = VllmRuntime(f"{name}-runtime", args.runtime, connection=conn, opts=child(base.host, base.kernel))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
         self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=args.probe_key_rotation, opts=child())
         probe_key = pulumi.Output.secret(self.probe_key.key)
         self.ingress = NginxIngress(f"{name}-ingress", args.ingress, host=base.facts, connection=conn,
-                                    extra_keys={keys.PROBE_KEY_NAME: probe_key}, opts=child(base.host))
+                                    nginx=base.nginx_settings, extra_keys={keys.PROBE_KEY_NAME: probe_key},
+                                    opts=child(base.nginx))
         self.monitor = Monitor(f"{name}-monitor", args.monitor, unit=self.runtime.unit, connection=conn,
                                probe_key=probe_key, ca_pem=self.ingress.ca_pem, service_user=self.runtime.service_user,
                                container=self.runtime.container, opts=child(self.runtime, self.ingress))
         self.endpoint = self.ingress.endpoint
         # The host identity is part of it: a rebuilt or replaced host is measured again, so the
         # report in the outputs always belongs to the host that serves now.
-        deployed = templates.digest(base.kernel.digest, self.runtime.digest, self.ingress.digest)
+        deployed = templates.digest(base.kernel.digest, base.nginx_digest, self.runtime.digest, self.ingress.digest)
         trigger = base.identity.apply(lambda ident: templates.digest(deployed, ident))
         self.sla = None
         if args.sla:

@@ -170,14 +170,16 @@ def test_01a_the_first_up_adopted_the_snapshots_serving_engine(node):
 def test_01c_a_stack_deployed_before_hostbase_upgrades_with_no_replacement(node):
     """Issue 11 item 7: the host's resources moved under HostBase and the node's component was
     renamed; their aliases (and the engine's inheritance of them to the children) keep every
-    resource, so the preview replaces, deletes and creates nothing but the new HostBase component."""
+    resource, so the preview replaces and deletes nothing, and creates only HostBase and its
+    nginx step (the main config, which the node's ingress step held before)."""
     assert node.old_program, f"this clone lacks {UPGRADE_FROM}: fetch the history (git fetch --unshallow)"
     preview = node.upgrade_preview
     assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
     steps = json.loads(preview.stdout).get("steps", [])
     changed = [(st["op"], st["urn"].rsplit("::", 2)[-2].rsplit("$", 1)[-1], st["urn"].rsplit("::", 1)[-1])
                for st in steps if st["op"] not in ("same", "update")]
-    assert changed == [("create", "fimfleet:host:HostBase", "node")], changed
+    assert sorted(changed) == [("create", "fimfleet:host:HostBase", "node"),
+                               ("create", "pulumi-python:dynamic:Resource", "node-nginx")], changed
     assert node.upgrade_up.returncode == 0, shown(node.upgrade_up)
 
     def custom(export: str) -> dict:
@@ -186,11 +188,19 @@ def test_01c_a_stack_deployed_before_hostbase_upgrades_with_no_replacement(node)
                 if r.get("custom") and not r["type"].startswith("pulumi:providers:")}
 
     after = ld.fimfleet_pulumi("stack", "export", "-s", "local")
-    assert custom(after) == custom(node.state_before_upgrade)
+    kept = custom(after)
+    assert kept.pop("node-nginx")[0] == "pulumi-python:dynamic:Resource"
+    assert kept == custom(node.state_before_upgrade)
     urns = [r["urn"] for r in json.loads(after)["deployment"]["resources"]]
     assert not [u for u in urns if "InferenceNode" in u], urns
     assert any(u.endswith("fimfleet:host:HostBase$fimfleet:host:Host$pulumi-python:dynamic:Resource::node-host-packages")
                for u in urns), urns
+    # The single-node nginx layout is gone from the host, secrets included; the node's site took its place.
+    legacy = ("/etc/nginx/fimfleet-site.conf", "/etc/nginx/fimfleet-keys.conf", "/etc/nginx/fimfleet.d/legacy-fimfleet-site.conf",
+              "/etc/nginx/fimfleet.d/legacy-fimfleet-keys.conf", "/etc/fimfleet/nginx-staged/fimfleet-keys.conf",
+              "/etc/fimfleet/tls/server.key")
+    code, out, err = node.ssh(f"ls {' '.join(legacy)} 2>&1 | grep -c 'No such file' || true; ls /etc/nginx/fimfleet.d")
+    assert code == 0 and out.split() == [str(len(legacy)), "node.conf", "node.keys"], f"{out}\n{err}"
 
 
 def test_01b_state_holds_no_secret_in_plain_text(node):

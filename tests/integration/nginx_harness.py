@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from components.ingress_render import INGRESS_FILE_MODES, MAIN_CONF, IngressSpec, render_ingress  # noqa: E402
+from components.ingress_render import MAIN_CONF, IngressSpec, access_log, ingress_install_plan  # noqa: E402
+from components.nginx_base import NginxBase  # noqa: E402
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 UPSTREAM_SCRIPT = Path(__file__).with_name("sse_upstream.py")
@@ -185,21 +186,24 @@ class Nginx:
             upstream_port=upstream_port, api_keys={}, https_port=self.https_port,
             http_port=self.http_port, listen_addresses=("127.0.0.1", "::1"),
             rate_per_second=RATE, burst=BURST, metrics_allow_cidrs=("127.0.0.0/8", "::1/128"),
-            conf_dir=str(prefix), log_dir=str(prefix / "logs"), pid_path=str(prefix / "nginx.pid"),
-            temp_dir=str(prefix / "tmp"), worker_processes=2,
-            # as root, workers would default to "nobody", which cannot enter the 0700 tmp dir
-            worker_user="root" if os.geteuid() == 0 else None,
         )
+        base = dict(conf_dir=str(prefix), log_dir=str(prefix / "logs"), pid_path=str(prefix / "nginx.pid"),
+                    temp_dir=str(prefix / "tmp"), worker_processes=2,
+                    # as root, workers would default to "nobody", which cannot enter the 0700 tmp dir
+                    worker_user="root" if os.geteuid() == 0 else None)
+        for name in [n for n in overrides if n in NginxBase.__dataclass_fields__]:
+            base[name] = overrides.pop(name)
         kwargs.update(overrides)
-        self.spec = IngressSpec(**kwargs)
+        self.spec = IngressSpec(**kwargs, base=NginxBase(**base))
         self.proc: Optional[subprocess.Popen] = None
         self.seen_workers: set[int] = set()
 
     def _write(self) -> None:
-        for name, content in render_ingress(self.spec).items():
-            path = self.prefix / name
-            path.write_text(content)
-            path.chmod(INGRESS_FILE_MODES[name])
+        for f in ingress_install_plan(self.spec):
+            path = Path(f.path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f.content)
+            path.chmod(f.mode)
         check = subprocess.run([NGINX, "-t", "-q", "-p", str(self.prefix), "-c", str(self.prefix / MAIN_CONF)],
                                capture_output=True, text=True, timeout=30)
         assert check.returncode == 0, check.stderr
@@ -253,7 +257,7 @@ class Nginx:
         return "\n".join(out)
 
     def access_log(self) -> list[dict]:
-        path = self.prefix / "logs" / "fimfleet-access.log"
+        path = Path(access_log(self.spec))
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

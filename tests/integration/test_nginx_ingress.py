@@ -38,6 +38,8 @@ from tests.integration.nginx_harness import (  # noqa: E402,F401
     keys, make_tls, start_nginx, tls, upstream,
 )
 
+from components.ingress_render import access_log, keys_conf  # noqa: E402
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 MAX_CHUNK_LAG_S = 0.020    # per-chunk (client receive - upstream send), median over streams
@@ -129,7 +131,7 @@ def test_plain_http_refuses_the_api_and_redirects_the_rest(start_nginx, keys):
         resp = httpx.get(base + path, headers=bearer(keys["bob"]), timeout=5)
         assert resp.status_code == 301, path
         assert resp.headers["location"] == f"https://{SERVER_NAME}:{ngx.https_port}{path}"
-    log = (ngx.prefix / "logs" / "fimfleet-access.log").read_text()
+    log = Path(access_log(ngx.spec)).read_text()
     plain = [json.loads(line) for line in log.splitlines()]
     assert len(plain) == 6 and {e["scheme"] for e in plain} == {"http"}
     assert all("key" not in e for e in plain)
@@ -180,7 +182,7 @@ def test_bearer_keys_each_key_works_others_401(start_nginx, client, keys, upstre
     entries = ngx.access_log()
     assert {e["key"] for e in entries if e["status"] == 200} == set(keys)
     assert {e["key"] for e in entries if e["status"] == 401} == {""}
-    logs = (ngx.prefix / "logs" / "fimfleet-access.log").read_text() + ngx.logs()
+    logs = Path(access_log(ngx.spec)).read_text() + ngx.logs()
     for key in keys.values():
         assert key not in logs and key.swapcase() not in logs
 
@@ -204,7 +206,7 @@ def test_upstream_keepalive_pool_reuses_connections(start_nginx, client, keys, u
     stream_completion(client, ngx.url("/v1/completions"), bearer(keys["carol"]), chunks=2)
     # +1 for our own /debug/last connection; at most one upstream connection per worker
     opened = httpx.get(debug, timeout=5).json()["connections"] - before - 1
-    assert 1 <= opened <= ngx.spec.worker_processes, opened
+    assert 1 <= opened <= ngx.spec.base.worker_processes, opened
 
 
 def test_revoking_one_key_leaves_the_others(start_nginx, client, keys, tls):
@@ -217,8 +219,8 @@ def test_revoking_one_key_leaves_the_others(start_nginx, client, keys, tls):
     with httpx.Client(verify=tls.context(), timeout=10) as fresh:  # new connections, new workers
         after = {n: fresh.get(url, headers=bearer(k)).status_code for n, k in keys.items()}
     assert after == {"alice": 200, "bob": 401, "carol": 200}
-    assert "bob" not in (ngx.prefix / "fimfleet-keys.conf").read_text()
-    assert oct((ngx.prefix / "fimfleet-keys.conf").stat().st_mode & 0o777) == "0o600"
+    assert "bob" not in (ngx.prefix / keys_conf(ngx.spec.node)).read_text()
+    assert oct((ngx.prefix / keys_conf(ngx.spec.node)).stat().st_mode & 0o777) == "0o600"
 
 
 def test_rate_limit_is_per_key_and_answers_json_429(start_nginx, client, keys):

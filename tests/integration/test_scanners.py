@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from components import config, ingress, tls  # noqa: E402
-from components.ingress_render import SITE_CONF  # noqa: E402
+from components import config, ingress, nginx_base, tls  # noqa: E402
+from components.ingress_render import site_conf  # noqa: E402
 from tests.helpers import raw_config  # noqa: E402
 from tests.integration.nginx_harness import NGINX, Nginx, TlsFiles, Upstream, bearer, write_tls  # noqa: E402
 
@@ -49,7 +49,7 @@ VERSION_ONLY_CVES = {
 }
 # The host layout the test changes; every other setting is production's.
 LAYOUT = {"tls_cert_path", "tls_key_path", "https_port", "http_port", "listen_addresses", "upstream_port",
-          "conf_dir", "log_dir", "pid_path", "temp_dir", "worker_user"}
+          "base", "conf_dir", "log_dir", "pid_path", "temp_dir", "worker_user"}
 # Short slow-client limits for the probes (production: 10 s, 10 s, 30 s, 32).
 HEADER_S, BODY_S, SEND_S, MAX_CONNS = 2, 2, 1, 3
 PREFILL_MS = 2500  # the upstream's silence before the first chunk: longer than SEND_S
@@ -67,27 +67,28 @@ def production_config() -> config.StackConfig:
 
 
 def production_overrides(cfg: config.StackConfig, **test_values) -> dict:
-    """IngressSpec fields as the component renders them, minus the host layout."""
-    spec = ingress.spec_for(ingress.args_for(cfg), cfg.ingress.domain, *ingress.tls_paths(cfg.ingress))
-    return {**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in LAYOUT},
-            **test_values}
+    """IngressSpec and host nginx fields as the components render them, minus the host layout."""
+    spec = ingress.spec_for(ingress.args_for(cfg), cfg.ingress.domain, *ingress.tls_paths(cfg.ingress, "node"))
+    return {**{f.name: getattr(o, f.name) for o in (spec, spec.base) for f in dataclasses.fields(o)
+               if f.name not in LAYOUT}, **test_values}
 
 
 def deployed_tree(cfg: config.StackConfig, root: Path, edit=lambda name, text: text) -> Path:
-    """The ingress files as apply installs them, under ``root``; only the two include paths
-    are re-rooted so the scanner reads these files and not the machine's /etc/nginx."""
-    staged, installs = ingress.render_files(ingress.args_for(cfg), cfg.ingress.domain, "CERT", "KEY")
-    content = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in staged}
-    for inst in installs:
-        dest = root / inst["dest"].lstrip("/")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(edit(inst["name"], content[inst["name"]]))
-    main = root / "etc" / "nginx" / "nginx.conf"
-    text = main.read_text()
-    assert re.findall(r"^\s*include (\S+);", text, re.M) == ["/etc/nginx/fimfleet-keys.conf",
-                                                             "/etc/nginx/fimfleet-site.conf"]
-    main.write_text(text.replace("include /etc/nginx/", f"include {root}/etc/nginx/"))
-    return main
+    """The host's and the node's nginx files as the two apply steps install them, under ``root``;
+    only the include paths are re-rooted so the scanner reads these files and not /etc/nginx."""
+    host_step = nginx_base.render(nginx_base.NginxBase())
+    node_staged, node_installs = ingress.render_files(ingress.args_for(cfg), cfg.ingress.domain, "CERT", "KEY")
+    content = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in host_step.files + node_staged}
+    dests = {"nginx.conf": "/etc/nginx/nginx.conf", **{i["name"]: i["dest"] for i in node_installs}}
+    includes = []
+    for name, dest in dests.items():
+        text = edit(name, content[name])
+        includes += re.findall(r"^\s*include (\S+);", text, re.M)
+        path = root / dest.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text.replace("include /etc/nginx/", f"include {root}/etc/nginx/"))
+    assert includes == ["/etc/nginx/fimfleet.d/*.conf", "/etc/nginx/fimfleet.d/node.keys"]
+    return root / "etc" / "nginx" / "nginx.conf"
 
 
 def nginx_version() -> str:
@@ -140,7 +141,7 @@ class EditedNginx(Nginx):
 
     def _write(self) -> None:
         super()._write()
-        site = self.prefix / SITE_CONF
+        site = self.prefix / site_conf(self.spec.node)
         site.write_text(self.edit(site.read_text()))
 
 
@@ -236,7 +237,7 @@ def test_sslyze_mozilla_intermediate_passes_except_path_validation(scanners, cfg
 
 def test_sslyze_negative_control_flags_the_old_groups_and_lifetime(scanners, cfg, tmp_path, serve):
     old = write_tls(tmp_path, long_lived_pems(cfg.ingress.domain, 825))
-    ngx = serve(old, production_overrides(cfg), edit=lambda site: re.sub(r"^ssl_ecdh_curve .*\n", "", site, flags=re.M))
+    ngx = serve(old, production_overrides(cfg), edit=lambda site: re.sub(r"^\s*ssl_ecdh_curve .*\n", "", site, flags=re.M))
     result = sslyze(scanners, cfg.ingress.domain, ngx.https_port)
     assert {"tls_curves", "maximum_certificate_lifespan", "certificate_path_validation"} <= set(result["issues"])
 

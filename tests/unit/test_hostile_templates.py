@@ -117,6 +117,22 @@ def hostile_renders(payload: str):
     yield "kernel-destroy", r("kernel/destroy.sh.j2", sysctl_path=payload, limits_path=payload, unit_path=payload,
                               apply_script=payload, modules_path=payload)
     yield "packages", r("host/packages.sh.j2", packages=[payload])
+    # nginx: the node's site step (server name, ACME domain and e-mail, paths) and the host's
+    files = [{"name": payload, "dest": payload, "mode": payload}]
+    for step in ("apply", "check", "destroy"):
+        yield f"ingress-{step}", _every(f"ingress/{step}.sh.j2", payload, files=files, legacy=[payload], acme=True,
+                                        renew_days=30, expiry_is_drift=True, check="true")
+        yield f"host-nginx-{step}", _every(f"ingress/base-{step}.sh.j2", payload, files=files, legacy=[payload],
+                                           check="true")
+
+
+def _every(name: str, payload: str, **fixed) -> str:
+    """`name` rendered with `payload` in every value it takes, but for the structured ones in `fixed`."""
+    from jinja2 import meta
+
+    env = templates.environment()
+    names = meta.find_undeclared_variables(env.parse(env.loader.get_source(env, name)[0]))
+    return templates.render(name, **{**{n: payload for n in names}, **{k: v for k, v in fixed.items() if k in names}})
 
 
 def _start_extras(payload: str) -> dict:

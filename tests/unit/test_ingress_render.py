@@ -19,24 +19,21 @@ import pytest
 
 from components.ingress_render import (
     INT_RULES,
-    NGINX_DROPIN_PATH,
     SSL_ECDH_CURVES,
-    INGRESS_FILE_MODES,
-    INGRESS_SECRET_FILES,
-    KEYS_CONF,
     MAIN_CONF,
-    SITE_CONF,
     IngressSpec,
     ingress_install_plan,
+    keys_conf,
     nginx_reload_command,
     body_size_for,
     nginx_test_command,
-    nofile_limit,
     render_ingress,
-    render_nginx_dropin,
     rule,
     setting_problem,
+    site_conf,
+    site_files,
 )
+from components.nginx_base import DROPIN_PATH, NginxBase, nofile_limit, render_dropin
 from components.tls import issue
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -75,26 +72,28 @@ def make_spec(prefix: Path, tls: tuple[Path, Path], **overrides) -> IngressSpec:
         https_port=18443,
         http_port=18080,
         listen_addresses=("127.0.0.1",),
-        conf_dir=str(prefix),
-        log_dir=str(prefix / "logs"),
-        pid_path=str(prefix / "nginx.pid"),
-        temp_dir=str(prefix / "tmp"),
-        worker_user="root" if os.geteuid() == 0 else None,
     )
+    base = dict(conf_dir=str(prefix), log_dir=str(prefix / "logs"), pid_path=str(prefix / "nginx.pid"),
+                temp_dir=str(prefix / "tmp"), worker_user="root" if os.geteuid() == 0 else None)
+    for name in [n for n in overrides if n in NginxBase.__dataclass_fields__]:
+        base[name] = overrides.pop(name)
     kwargs.update(overrides)
-    return IngressSpec(**kwargs)
+    return IngressSpec(**kwargs, base=NginxBase(**base))
+
+
+SITE, KEYS_FILE = site_conf("node"), keys_conf("node")
 
 
 def write_render(spec: IngressSpec) -> dict[str, str]:
-    prefix = Path(spec.conf_dir)
+    prefix = Path(spec.base.conf_dir)
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
     (prefix / "tmp").mkdir(parents=True, exist_ok=True)
-    files = render_ingress(spec)
-    for name, content in files.items():
-        path = prefix / name
-        path.write_text(content)
-        path.chmod(INGRESS_FILE_MODES[name])
-    return files
+    for f in ingress_install_plan(spec):
+        path = Path(f.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f.content)
+        path.chmod(f.mode)
+    return render_ingress(spec)
 
 
 def nginx_t(prefix: Path) -> subprocess.CompletedProcess:
@@ -169,9 +168,29 @@ def test_real_nginx_t_can_fail(tmp_path, tls):
 def test_real_nginx_rejects_a_corrupted_keys_file(tmp_path, tls):
     spec = make_spec(tmp_path / "prefix", tls)
     write_render(spec)
-    keys = tmp_path / "prefix" / KEYS_CONF
+    keys = tmp_path / "prefix" / KEYS_FILE
     keys.write_text(keys.read_text().replace("default \"\";", "default \"\"", 1))
     assert nginx_t(tmp_path / "prefix").returncode != 0
+
+
+def test_two_nodes_share_one_host_nginx(tmp_path, tls):
+    """Two sites in one http block: every http-level name carries its node's, so real nginx
+    accepts both; the same node name twice is the negative control (duplicate zones)."""
+    def write(node, port, key):
+        spec = make_spec(tmp_path, tls, node=node, https_port=port, http_port=port + 1, upstream_port=port + 2,
+                         api_keys={"alice": key})
+        write_render(spec)
+        return spec
+
+    write("node", 18443, "alice-key-node-0123456789abcdef")
+    b = write("node-b", 19443, "alice-key-nodeb-0123456789abcd")
+    result = nginx_t(tmp_path)
+    assert result.returncode == 0, result.stderr
+    site_b = render_ingress(b)[site_conf("node-b")]
+    assert "upstream fimfleet_node_b_vllm {" in site_b and "fimfleet_node_per" not in site_b
+    (tmp_path / "fimfleet.d" / "copy.conf").write_text(render_ingress(b)[site_conf("node-b")])
+    clash = nginx_t(tmp_path)
+    assert clash.returncode != 0 and "fimfleet_node_b" in clash.stderr, clash.stderr
 
 
 # --------------------------------------------------------------- content checks
@@ -180,16 +199,15 @@ def test_real_nginx_rejects_a_corrupted_keys_file(tmp_path, tls):
 def test_renders_three_files_with_modes_and_secret_flags(tmp_path, tls):
     spec = make_spec(tmp_path, tls)
     files = render_ingress(spec)
-    assert set(files) == {MAIN_CONF, SITE_CONF, KEYS_CONF}
-    assert INGRESS_FILE_MODES == {MAIN_CONF: 0o644, SITE_CONF: 0o644, KEYS_CONF: 0o600}
-    assert INGRESS_SECRET_FILES == {KEYS_CONF}
+    assert set(files) == {MAIN_CONF, "fimfleet.d/node.conf", "fimfleet.d/node.keys"}
     plan = ingress_install_plan(spec)
     assert [(f.path, f.mode, f.secret) for f in plan] == [
         (f"{tmp_path}/{MAIN_CONF}", 0o644, False),
-        (f"{tmp_path}/{SITE_CONF}", 0o644, False),
-        (f"{tmp_path}/{KEYS_CONF}", 0o600, True),
+        (f"{tmp_path}/{SITE}", 0o644, False),
+        (f"{tmp_path}/{KEYS_FILE}", 0o600, True),
     ]
-    assert all(f.content == files[Path(f.path).name] for f in plan)
+    assert all(f.content == files[str(Path(f.path).relative_to(tmp_path))] for f in plan)
+    assert site_files(spec) == plan[1:]  # what the node's step installs: not the host's main config
     assert nginx_test_command(spec)[-1] == f"{tmp_path}/{MAIN_CONF}"
     assert nginx_reload_command(spec)[-2:] == ["-s", "reload"]
 
@@ -199,16 +217,16 @@ def test_defaults_target_a_debian_host(tls):
                        tls_key_path="/etc/ssl/fimfleet/key.pem", upstream_port=8000,
                        api_keys={"alice": KEYS["alice"]})
     files = render_ingress(spec)
-    main, site = files[MAIN_CONF], files[SITE_CONF]
-    assert "include /etc/nginx/fimfleet-keys.conf;" in main
-    assert "include /etc/nginx/fimfleet-site.conf;" in main
+    main, site = files[MAIN_CONF], files[SITE]
+    assert re.findall(r"^\s*include (\S+);", main, re.M) == ["/etc/nginx/fimfleet.d/*.conf"]
+    assert re.findall(r"^\s*include (\S+);", site, re.M) == ["/etc/nginx/fimfleet.d/node.keys"]
     assert "pid /run/nginx.pid;" in main
     assert "user www-data;" in main
     assert not re.search(r"^\s*daemon\b", main, re.M)  # systemd / tests pass it with -g
     assert "listen 0.0.0.0:443 ssl;" in site and "listen [::]:443 ssl;" in site
     assert "listen 0.0.0.0:80;" in site and "listen [::]:80;" in site
     assert "return 301 https://code.example.com$request_uri;" in site
-    assert "access_log /var/log/nginx/fimfleet-access.log fimfleet_json;" in site
+    assert "access_log /var/log/nginx/fimfleet-node-access.log fimfleet_node_json;" in site
     assert "server 127.0.0.1:8000;" in site
 
 
@@ -217,11 +235,11 @@ def test_secrets_only_in_keys_file(tmp_path, tls):
     spec = make_spec(tmp_path, tls, upstream_api_key=upstream_key)
     files = render_ingress(spec)
     for secret in [*KEYS.values(), upstream_key]:
-        assert secret not in files[SITE_CONF]
+        assert secret not in files[SITE]
         assert secret not in files[MAIN_CONF]
         assert secret not in repr(spec)
     # the key file carries every key (regex-escaped) and the names
-    keys = files[KEYS_CONF]
+    keys = files[KEYS_FILE]
     for name, key in KEYS.items():
         escaped = key.replace(".", "\\.").replace("+", "\\+")
         assert f'"~^(?i:bearer) +{escaped}$" {name};' in keys, name
@@ -229,7 +247,7 @@ def test_secrets_only_in_keys_file(tmp_path, tls):
 
 
 def test_key_regexes_are_exact_and_case_sensitive(tmp_path, tls):
-    keys = render_ingress(make_spec(tmp_path, tls))[KEYS_CONF]
+    keys = render_ingress(make_spec(tmp_path, tls))[KEYS_FILE]
     entries = dict((n, r) for r, n in re.findall(r'^\s*"~(.+)" (\w+);$', keys, re.M))
     assert set(entries) == set(KEYS)
     for name, key in KEYS.items():
@@ -247,40 +265,40 @@ def test_key_regexes_are_exact_and_case_sensitive(tmp_path, tls):
 
 def test_no_upstream_key_means_authorization_is_cleared(tmp_path, tls):
     files = render_ingress(make_spec(tmp_path, tls))
-    assert 'default "";' in files[KEYS_CONF].split("$fimfleet_upstream_authorization", 1)[1]
-    assert "proxy_set_header Authorization $fimfleet_upstream_authorization;" in files[SITE_CONF]
+    assert 'default "";' in files[KEYS_FILE].split("$fimfleet_node_upstream_authorization", 1)[1]
+    assert "proxy_set_header Authorization $fimfleet_node_upstream_authorization;" in files[SITE]
 
 
 def test_logging_uses_key_name_never_the_header(tmp_path, tls):
-    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
-    fmt = site[site.index("log_format fimfleet_json"):site.index("access_log")]
-    assert "$fimfleet_key_name" in fmt
+    site = render_ingress(make_spec(tmp_path, tls))[SITE]
+    fmt = site[site.index("log_format fimfleet_node_json"):site.index("log_format fimfleet_node_plain")]
+    assert "$fimfleet_node_key_name" in fmt
     assert "$http_authorization" not in site  # only the key file maps it
-    assert f"access_log {tmp_path}/logs/fimfleet-access.log fimfleet_json;" in site
+    assert f"access_log {tmp_path}/logs/fimfleet-node-access.log fimfleet_node_json;" in site
 
 
 def test_streaming_location(tmp_path, tls):
-    site = render_ingress(make_spec(tmp_path, tls, read_timeout_s=900, burst=7, rate_per_second=3))[SITE_CONF]
+    site = render_ingress(make_spec(tmp_path, tls, read_timeout_s=900, burst=7, rate_per_second=3))[SITE]
     v1 = location_block(server_block(site, tls=True), "location /v1/ {")
     for line in ("proxy_buffering off;", "proxy_cache off;", 'add_header X-Accel-Buffering "no" always;',
                  "tcp_nodelay on;", "gzip off;", "proxy_read_timeout 900s;", "proxy_send_timeout 900s;",
-                 "limit_req zone=fimfleet_per_key burst=7 nodelay;", "proxy_pass http://fimfleet_vllm;",
+                 "limit_req zone=fimfleet_node_per_key burst=7 nodelay;", "proxy_pass http://fimfleet_node_vllm;",
                  "return 401;", "Strict-Transport-Security"):
         assert line in v1, line
-    assert "limit_req_zone $fimfleet_key_name zone=fimfleet_per_key:10m rate=3r/s;" in site
-    assert "limit_req_status 429;" in site
+    assert "limit_req_zone $fimfleet_node_key_name zone=fimfleet_node_per_key:10m rate=3r/s;" in site
+    assert "limit_req_status 429;" in server_block(site, tls=True)
     assert "proxy_http_version 1.1;" in site and 'proxy_set_header Connection "";' in site
-    assert re.search(r"upstream fimfleet_vllm \{[^}]*keepalive 32;", site)
-    zero = render_ingress(make_spec(tmp_path, tls, burst=0))[SITE_CONF]
-    assert "limit_req zone=fimfleet_per_key nodelay;" in zero  # nginx rejects burst=0
+    assert re.search(r"upstream fimfleet_node_vllm \{[^}]*keepalive 32;", site)
+    zero = render_ingress(make_spec(tmp_path, tls, burst=0))[SITE]
+    assert "limit_req zone=fimfleet_node_per_key nodelay;" in zero  # nginx rejects burst=0
     # the negative control flips exactly the buffering
-    buffered = render_ingress(make_spec(tmp_path, tls, stream_buffering=True))[SITE_CONF]
+    buffered = render_ingress(make_spec(tmp_path, tls, stream_buffering=True))[SITE]
     v1b = location_block(server_block(buffered, tls=True), "location /v1/ {")
     assert "proxy_buffering on;" in v1b and "proxy_buffering off;" not in v1b
 
 
 def test_tls_and_security_headers(tmp_path, tls):
-    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    site = render_ingress(make_spec(tmp_path, tls))[SITE]
     assert "return 301 https://fimfleet.test:18443$request_uri;" in site
     # add_header is not inherited by a location that has its own: check every location
     https = server_block(site, tls=True)
@@ -291,24 +309,24 @@ def test_tls_and_security_headers(tmp_path, tls):
         for h in ("Strict-Transport-Security", "X-Content-Type-Options", "X-Frame-Options",
                   "Referrer-Policy", "Content-Security-Policy"):
             assert h in block, (header, h)
-    no_hsts = render_ingress(make_spec(tmp_path, tls, hsts_max_age_s=0))[SITE_CONF]
+    no_hsts = render_ingress(make_spec(tmp_path, tls, hsts_max_age_s=0))[SITE]
     assert "Strict-Transport-Security" not in no_hsts
 
 
 def test_acls_for_health_and_metrics(tmp_path, tls):
-    site = render_ingress(make_spec(tmp_path, tls, metrics_allow_cidrs=("10.0.0.0/8", "fd00::/8")))[SITE_CONF]
+    site = render_ingress(make_spec(tmp_path, tls, metrics_allow_cidrs=("10.0.0.0/8", "fd00::/8")))[SITE]
     health = location_block(site, "location = /health {")
     assert re.search(r"allow 127\.0\.0\.1;\s*allow ::1;\s*deny all;", health)
-    assert "proxy_pass http://fimfleet_vllm/health;" in health
+    assert "proxy_pass http://fimfleet_node_vllm/health;" in health
     metrics = location_block(site, "location = /metrics {")
     assert re.search(r"allow 10\.0\.0\.0/8;\s*allow fd00::/8;\s*deny all;", metrics)
     assert "127.0.0.1" not in metrics
-    closed = render_ingress(make_spec(tmp_path, tls, metrics_allow_cidrs=()))[SITE_CONF]
+    closed = render_ingress(make_spec(tmp_path, tls, metrics_allow_cidrs=()))[SITE]
     assert "allow" not in location_block(closed, "location = /metrics {")
 
 
 def test_json_error_pages(tmp_path, tls):
-    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    site = render_ingress(make_spec(tmp_path, tls))[SITE]
     for code in (401, 403, 404, 413, 429, 502, 504):
         assert f"error_page {code} @fimfleet_{code};" in site
         block = location_block(site, f"location @fimfleet_{code} {{")
@@ -369,14 +387,11 @@ INVALID = [
     ("client_body_timeout_s", dict(client_body_timeout_s=3601)),
     ("send_timeout_s", dict(send_timeout_s="30s")),
     ("max_conns_per_address", dict(max_conns_per_address=0)),
-    ("worker_connections", dict(worker_connections=8)),
     ("read_timeout_s", dict(read_timeout_s=0)),
     ("keepalive", dict(keepalive=0)),
     ("client_max_body_size", dict(client_max_body_size="8 MB")),
-    ("worker_processes", dict(worker_processes="many")),
-    ("worker_user", dict(worker_user="www data")),
-    ("log_dir", dict(log_dir="/var/log/nginx dir")),
-    ("conf_dir", dict(conf_dir="/etc/../etc/nginx")),
+    ("node", dict(node="Node_1")),
+    ("node", dict(node="a;b")),
     ("stream_buffering", dict(stream_buffering="yes")),
 ]
 
@@ -392,6 +407,21 @@ def test_invalid_spec_raises_value_error_naming_the_field(field, overrides, tmp_
     for key in list(overrides.get("api_keys", {}).values()) + [overrides.get("upstream_api_key")]:
         if isinstance(key, str) and len(key) >= 8:
             assert key not in message
+
+
+BASE_INVALID = [
+    ("worker_connections", dict(worker_connections=8)),
+    ("worker_processes", dict(worker_processes="many")),
+    ("worker_user", dict(worker_user="www data")),
+    ("log_dir", dict(log_dir="/var/log/nginx dir")),
+    ("conf_dir", dict(conf_dir="/etc/../etc/nginx")),
+]
+
+
+@pytest.mark.parametrize("field,overrides", BASE_INVALID, ids=[f for f, _ in BASE_INVALID])
+def test_invalid_host_nginx_raises_value_error_naming_the_field(field, overrides):
+    with pytest.raises(ValueError, match=rf"^NginxBase\.{field}: invalid value .*; "):
+        NginxBase(**overrides)
 
 
 def test_error_message_names_value_and_fix(tmp_path, tls):
@@ -420,7 +450,7 @@ def directive(text: str, name: str) -> str:
 
 
 def test_tls_follows_mozilla_intermediate(tmp_path, tls):
-    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    site = render_ingress(make_spec(tmp_path, tls))[SITE]
     assert directive(site, "ssl_protocols") == "TLSv1.2 TLSv1.3"
     assert set(directive(site, "ssl_ciphers").split(":")) == MOZILLA_INTERMEDIATE_CIPHERS
     curves = directive(site, "ssl_ecdh_curve").split(":")
@@ -433,18 +463,21 @@ def test_slow_client_limits_and_descriptors(tmp_path, tls):
     spec = make_spec(tmp_path, tls, client_header_timeout_s=7, client_body_timeout_s=8, send_timeout_s=45,
                      max_conns_per_address=5, worker_connections=3000, read_timeout_s=900)
     files = render_ingress(spec)
-    site, main = files[SITE_CONF], files[MAIN_CONF]
-    assert [directive(site, d) for d in ("client_header_timeout", "client_body_timeout", "send_timeout")] == \
-        ["7s", "8s", "45s"]
-    assert directive(site, "reset_timedout_connection") == "on"
-    assert directive(site, "limit_conn_zone") == "$binary_remote_addr zone=fimfleet_per_addr:10m"
-    assert directive(site, "limit_conn") == "fimfleet_per_addr 5" and directive(site, "limit_conn_status") == "429"
+    site, main = files[SITE], files[MAIN_CONF]
+    # in both servers: port 80 gets the same slow-client limits as the API
+    for server in (server_block(site, tls=True), server_block(site, tls=False)):
+        assert [directive(server, d) for d in ("client_header_timeout", "client_body_timeout", "send_timeout")] == \
+            ["7s", "8s", "45s"]
+        assert directive(server, "reset_timedout_connection") == "on"
+        assert directive(server, "limit_conn") == "fimfleet_node_per_addr 5"
+        assert directive(server, "limit_conn_status") == "429"
+    assert directive(site, "limit_conn_zone") == "$binary_remote_addr zone=fimfleet_node_per_addr:10m"
     # the streaming read timeout is not the slow-client one
     assert "proxy_read_timeout 900s;" in location_block(server_block(site, tls=True), "location /v1/ {")
-    assert directive(main, "worker_rlimit_nofile") == "6000" == str(nofile_limit(spec))
+    assert directive(main, "worker_rlimit_nofile") == "6000" == str(nofile_limit(spec.base))
     dropin = configparser.ConfigParser()
-    dropin.read_string(render_nginx_dropin(spec))
-    assert dict(dropin["Service"]) == {"limitnofile": "6000"} and NGINX_DROPIN_PATH.endswith(".conf")
+    dropin.read_string(render_dropin(spec.base))
+    assert dict(dropin["Service"]) == {"limitnofile": "6000"} and DROPIN_PATH.endswith(".conf")
 
 
 def test_body_size_is_derived_from_the_context():
@@ -455,7 +488,7 @@ def test_body_size_is_derived_from_the_context():
 
 
 def test_plain_http_answers_the_api_with_use_https_and_logs_no_key(tmp_path, tls):
-    site = render_ingress(make_spec(tmp_path, tls))[SITE_CONF]
+    site = render_ingress(make_spec(tmp_path, tls))[SITE]
     plain = server_block(site, tls=False)
     v1 = location_block(plain, "location /v1/ {")
     body = re.search(r"return 403 '(.*)\\n';", v1).group(1)
@@ -464,8 +497,8 @@ def test_plain_http_answers_the_api_with_use_https_and_logs_no_key(tmp_path, tls
     assert "default_type application/json;" in v1 and "$" not in v1
     assert "return 301 https://fimfleet.test:18443$request_uri;" in location_block(plain, "location / {")
     assert "acme-challenge" not in plain  # the challenge path falls under the 301, as before
-    assert f"access_log {tmp_path}/logs/fimfleet-access.log fimfleet_plain;" in plain
-    fmt = site[site.index("log_format fimfleet_plain"):]
+    assert f"access_log {tmp_path}/logs/fimfleet-node-access.log fimfleet_node_plain;" in plain
+    fmt = site[site.index("log_format fimfleet_node_plain"):]
     fmt = fmt[:fmt.index(";")]
     assert "$" in fmt and "$fimfleet" not in fmt and "$http_authorization" not in fmt
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components import config, grammar, host, kernel, monitor, runtime, watchdog
+from components import config, grammar, host, kernel, monitor, nginx_base, runtime, watchdog
 from components.ingress import args_for as ingress_args
 from components.ingress import render_files as ingress_files
 from components.ingress import step_scripts as ingress_scripts
@@ -94,8 +94,11 @@ def scripts(cfg):
     yield "pull-image", runtime.scripts(docker, "node")["install"]
     acme = cfg_for(cfg.tier.name, ingress={"tls": "acme", "domain": "example.com", "acmeEmail": "ops@example.com"})
     for c, tag in ((cfg, ""), (acme, "-acme")):
-        for step, body in ingress_scripts(c.ingress, ingress_files(ingress_args(c), "example.com", "CERT", "KEY")[1]).items():
+        for step, body in ingress_scripts(ingress_args(c), ingress_files(ingress_args(c), "example.com", "CERT", "KEY")[1]).items():
             yield f"ingress-{step}{tag}", body
+    n = nginx_base.render(nginx_base.NginxBase())
+    for t in ("apply", "check", "destroy"):
+        yield f"host-nginx-{t}", getattr(n, t)
     for t, body in monitor.scripts(monitor.args_for(cfg, "node"), r.unit).items():
         yield f"monitor-{t}", body
     w = watchdog.render()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from components import config, ingress, tls
-from components.ingress_render import NGINX_DROPIN_PATH
+from components.nginx_base import DROPIN_PATH, NginxBase, render as render_host_nginx
 from tests.helpers import raw_config
 
 ACME = {"tls": "acme", "domain": "code.example.com", "acmeEmail": "ops@example.com"}
@@ -25,7 +25,8 @@ def cfg_for(tier: str = "cpu-epyc-prod", **ingress_keys) -> config.StackConfig:
 
 
 def scripts(cfg: config.StackConfig) -> dict[str, str]:
-    return ingress.step_scripts(cfg.ingress, ingress.render_files(ingress.args_for(cfg), "code.example.com", "CERT", "KEY")[1])
+    args = ingress.args_for(cfg)
+    return ingress.step_scripts(args, ingress.render_files(args, "code.example.com", "CERT", "KEY")[1])
 
 
 def staged(cfg: config.StackConfig) -> dict[str, str]:
@@ -70,7 +71,7 @@ def host(tmp_path, monkeypatch):
         (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
         (bin_dir / tool).chmod(0o755)
     cert = tmp_path / "server.pem"
-    monkeypatch.setattr(ingress, "tls_paths", lambda settings: (str(cert), str(tmp_path / "server.key")))
+    monkeypatch.setattr(ingress, "tls_paths", lambda settings, node: (str(cert), str(tmp_path / "server.key")))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
     def run(script: str, days: int) -> subprocess.CompletedProcess:
@@ -83,7 +84,7 @@ def host(tmp_path, monkeypatch):
 
 def check_only(cfg) -> tuple[str, str]:
     """(refresh check, the check at the end of apply) without the file comparisons."""
-    s = ingress.step_scripts(cfg.ingress, [])
+    s = ingress.step_scripts(ingress.args_for(cfg), [])
     marker = "# fimfleet NginxIngress: installed files match"
     return s["check"], s["apply"][s["apply"].index(marker):]
 
@@ -116,27 +117,33 @@ def test_expiry_window_is_the_provider_reissue_window():
 
 
 def test_nginx_unit_gets_the_workers_descriptor_limit():
-    files = staged(cfg_for())
+    step = render_host_nginx(NginxBase())
+    files = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in step.files}
     nofile = re.search(r"^worker_rlimit_nofile (\d+);", files["nginx.conf"], re.M).group(1)
     connections = re.search(r"worker_connections (\d+);", files["nginx.conf"]).group(1)
     dropin = configparser.ConfigParser()
-    dropin.read_string(files[Path(NGINX_DROPIN_PATH).name])
+    dropin.read_string(files[Path(DROPIN_PATH).name])
     assert dropin["Service"]["LimitNOFILE"] == nofile == str(2 * int(connections))
-    installs = ingress.render_files(ingress.args_for(cfg_for()), "code.example.com", "C", "K")[1]
-    assert {"name": "fimfleet-limits.conf", "dest": NGINX_DROPIN_PATH, "mode": "0644"} in installs
-    for step in ("apply", "destroy"):
-        assert "systemctl daemon-reload" in scripts(cfg_for())[step]
+    assert f"fimfleet-limits.conf:{DROPIN_PATH}:0644" in step.apply
+    # a changed limit reloads systemd and restarts nginx; destroy reloads systemd without it
+    assert re.search(r'if ! cmp -s [^;]+; then restart=1; systemctl daemon-reload; fi', step.apply)
+    assert "systemctl daemon-reload" in step.destroy
+    # the node's own step never touches the unit or the main config
+    node_installs = ingress.render_files(ingress.args_for(cfg_for()), "code.example.com", "C", "K")[1]
+    assert {i["dest"] for i in node_installs} == {"/etc/nginx/fimfleet.d/node.conf", "/etc/nginx/fimfleet.d/node.keys",
+                                                  "/etc/fimfleet/tls/node/server.pem", "/etc/fimfleet/tls/node/server.key"}
+    assert "daemon-reload" not in "".join(scripts(cfg_for()).values())
 
 
 @pytest.mark.parametrize("tier, size", [("cpu-epyc-prod", "144k"), ("gpu-h100", "528k")])
 def test_body_limit_follows_the_engine_context(tier, size):
-    assert f"client_max_body_size {size};" in staged(cfg_for(tier))["fimfleet-site.conf"]
-    assert "client_max_body_size 1m;" in staged(cfg_for(tier, clientMaxBodySize="1m"))["fimfleet-site.conf"]
+    assert f"client_max_body_size {size};" in staged(cfg_for(tier))["node.conf"]
+    assert "client_max_body_size 1m;" in staged(cfg_for(tier, clientMaxBodySize="1m"))["node.conf"]
 
 
 def test_connection_limit_setting_reaches_nginx():
-    assert "limit_conn fimfleet_per_addr 32;" in staged(cfg_for())["fimfleet-site.conf"]
-    assert "limit_conn fimfleet_per_addr 4;" in staged(cfg_for(maxConnsPerAddress=4))["fimfleet-site.conf"]
+    assert "limit_conn fimfleet_node_per_addr 32;" in staged(cfg_for())["node.conf"]
+    assert "limit_conn fimfleet_node_per_addr 4;" in staged(cfg_for(maxConnsPerAddress=4))["node.conf"]
 
 
 @pytest.mark.parametrize("key, value, fix", [

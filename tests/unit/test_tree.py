@@ -51,10 +51,14 @@ def test_tree_types_and_parents(recorder):
         assert types["node-monitor"] == "fimfleet:monitor:Monitor"
         assert types["node-sla"] == "pulumi-python:dynamic/fimfleet:FimSlaCheck"
         for step in ("node-host-preflight", "node-host-packages", "node-kernel-apply", "node-runtime-install",
-                     "node-runtime-model", "node-runtime-service", "node-ingress-nginx", "node-monitor-timer"):
+                     "node-runtime-model", "node-runtime-service", "node-nginx", "node-ingress-nginx",
+                     "node-monitor-timer"):
             assert types[step] == "pulumi-python:dynamic:Resource", step
         assert ancestors(regs, "node-kernel-apply") == ["node-kernel", "node (host)", "fleet"]
         assert ancestors(regs, "node-host-packages") == ["node-host", "node (host)", "fleet"]
+        # nginx's main config is the host's; the node's site is the node's
+        assert ancestors(regs, "node-nginx") == ["node (host)", "fleet"]
+        assert ancestors(regs, "node-ingress-nginx") == ["node-ingress", "node", "fleet"]
         assert ancestors(regs, "node-runtime-service") == ["node-runtime", "node", "fleet"]
         assert ancestors(regs, "node-sla") == ["node", "fleet"]
 
@@ -78,7 +82,8 @@ def test_dependency_order(recorder):
         assert {"node-host-packages", "node-kernel-apply"} <= deps("node-runtime")
         assert "node-runtime-install" in deps("node-runtime-model")
         assert "node-runtime-model" in deps("node-runtime-service")
-        assert "node-host-packages" in deps("node-ingress")
+        assert "node-host-packages" in deps("node-nginx")
+        assert "node-nginx" in deps("node-ingress")
         assert {"node-ingress-nginx", "node-runtime-service"} <= deps("node-monitor")
         assert "node-monitor-timer" in deps("node-sla")
 
@@ -122,9 +127,10 @@ def test_only_what_needs_the_engine_waits_for_it_and_the_rest_overlaps(recorder)
 
         for needs_engine in ("node-monitor-timer", "node-sla", "node-monitoring"):
             assert "node-runtime-service" in closure(needs_engine), needs_engine
-        for independent in ("node-kernel-apply", "node-ingress-nginx", "node-host-packages"):
+        for independent in ("node-kernel-apply", "node-nginx", "node-ingress-nginx", "node-host-packages"):
             assert "node-runtime-service" not in closure(independent), independent
         assert "node-host-packages" not in closure("node-kernel-apply")
+        assert "node-kernel-apply" not in closure("node-ingress-nginx")  # nginx overlaps the kernel tuning
 
     node = fleet.nodes["node"]
     return pulumi.Output.all(settle(fleet), node.monitoring.urn).apply(check)
