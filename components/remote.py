@@ -40,6 +40,8 @@ OUTPUT_TAIL = 4000
 """Bytes of stdout kept in state; scripts never print secrets, and stderr is only shown on failure."""
 PROGRESS_PREFIX = "progress: "
 """A script's stderr lines with this prefix are shown live by `pulumi up` (long engine starts)."""
+HEARTBEAT_S = 30.0
+"""A labelled step that has said nothing for this long says it still runs, with its last output line."""
 MARKER_DIR = "/var/lib/fimfleet/steps"
 """Each applied step leaves its digest here; a wiped host has none, so refresh finds it."""
 
@@ -184,7 +186,8 @@ def run(client, script: str, *, timeout_s: float = 1800, env: dict[str, str] | N
     """Run a bash script (fed on stdin, so it never shows in `ps`); returns (exit, stdout, stderr).
 
     stderr lines that start with PROGRESS_PREFIX are echoed at once to this process's stderr,
-    which the Pulumi CLI shows while the step runs."""
+    which the Pulumi CLI shows while the step runs. A labelled step silent for HEARTBEAT_S
+    says it still runs, with its last line of output, instead of minutes of bare dots."""
     exports = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in (env or {}).items())
     chan = client.get_transport().open_session()
     chan.settimeout(timeout_s)
@@ -193,10 +196,19 @@ def run(client, script: str, *, timeout_s: float = 1800, env: dict[str, str] | N
     chan.shutdown_write()
     out, err = io.BytesIO(), io.BytesIO()
     pending = b""
-    deadline = time.monotonic() + timeout_s
+    started = said = time.monotonic()
+    deadline = started + timeout_s
+    last = ""
+
+    def note(chunk: bytes) -> str:
+        lines = [l.strip() for l in chunk.decode(errors="replace").splitlines() if l.strip()]
+        return lines[-1][:160] if lines else last
+
     while True:
         while chan.recv_ready():
-            out.write(chan.recv(65536))
+            chunk = chan.recv(65536)
+            out.write(chunk)
+            last = note(chunk)
         while chan.recv_stderr_ready():
             chunk = chan.recv_stderr(65536)
             err.write(chunk)
@@ -206,6 +218,13 @@ def run(client, script: str, *, timeout_s: float = 1800, env: dict[str, str] | N
                 text = line.decode(errors="replace")
                 if text.startswith(PROGRESS_PREFIX):
                     print(f"{label or 'remote step'}: {text[len(PROGRESS_PREFIX):]}", file=sys.stderr, flush=True)
+                    said = time.monotonic()
+                elif text.strip():
+                    last = text.strip()[:160]
+        if label and time.monotonic() - said >= HEARTBEAT_S:
+            said = time.monotonic()
+            print(f"{label}: still running, {said - started:.0f}s elapsed" + (f"; last output: {last}" if last else ""),
+                  file=sys.stderr, flush=True)
         if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
             break
         if time.monotonic() > deadline:

@@ -138,6 +138,19 @@ def test_progress_lines_are_shown_while_the_step_runs(sshd, capsys):
     assert "vLLM service: engine starting, 30s elapsed" in err and "noise" not in err
 
 
+def test_a_silent_step_says_it_still_runs_with_its_last_output(sshd, capsys, monkeypatch):
+    """No bare dots: a step that prints no progress of its own gets a heartbeat with its last line."""
+    monkeypatch.setattr(remote, "HEARTBEAT_S", 0.5)
+    ident = first_contact(sshd)
+    script = "echo 'Unpacking prometheus' >&2; sleep 1.3"
+    remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="Prometheus"))
+    beats = [l for l in capsys.readouterr().err.splitlines() if l.startswith("Prometheus: still running, ")]
+    assert 1 <= len(beats) <= 4 and all(l.endswith("; last output: Unpacking prometheus") for l in beats), beats
+    monkeypatch.setattr(remote, "HEARTBEAT_S", 60.0)
+    remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="Prometheus"))
+    assert "still running" not in capsys.readouterr().err  # a step shorter than the heartbeat stays quiet
+
+
 def test_a_failed_step_names_itself_and_the_host_without_progress_noise(sshd):
     ident = first_contact(sshd)
     script = "echo 'progress: still going' >&2; echo 'no space left' >&2; exit 3"
