@@ -350,11 +350,41 @@ def test_05_second_up_changes_nothing_and_runs_no_remote_command(node):
 def test_06_hand_made_drift_is_found_and_repaired(node):
     code, _, err = node.ssh("sysctl -w vm.swappiness=60 >/dev/null")
     assert code == 0, err
+    # The same up revokes the first user (judged by test_06b): one emulated deploy fewer.
+    node.revoked = dict(sorted(keys(node).items())[:1])
+    for name in node.revoked:
+        node.pulumi("config", "rm", "--path", f"fimfleet:apiKeys.{name}", check=True)
     proc = node.pulumi("up", "--refresh", "--yes", "--skip-preview")
     assert proc.returncode == 0, shown(proc)
+    node.revoked_at = int(node.ssh("date +%s")[1])  # the VM's clock, which the monitor's log uses
     assert "node-kernel-apply" in proc.stdout
     _, out, _ = node.ssh("sysctl -n vm.swappiness")
     assert out.strip() == "1", f"vm.swappiness not repaired: {out}"
+
+
+def test_06b_revoking_the_first_user_leaves_the_monitor_green(node):
+    """Issue 11: the monitor and the SLA gate use fimfleet's own probe key, so revoking a user
+    locks that user out and nobody else: the remaining user streams, and the monitor's next
+    deep probe after the revoke is ok."""
+    (name, revoked), = node.revoked.items()
+    remaining = keys(node)
+    assert name not in remaining and remaining, remaining
+    assert name not in node.outputs(secrets=True)["editorConfigs"]
+    body = {"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>", "max_tokens": 2}
+    with client(node) as c:
+        assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {revoked}"}).status_code == 401
+        for other, key in remaining.items():
+            r = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, f"{other}: {r.status_code} {r.text}"
+    deadline = time.monotonic() + 240
+    while True:
+        _, out, _ = node.ssh("cat /run/fimfleet/monitor-vllm-node/last 2>/dev/null || true")
+        stamp, _, verdict = out.strip().partition(" ")
+        if stamp.isdigit() and int(stamp) > node.revoked_at:
+            assert verdict.startswith("ok"), f"the monitor's first probe after the revoke: {out}"
+            break
+        assert time.monotonic() < deadline, f"no monitor probe since the revoke: {out}"
+        time.sleep(10)
 
 
 def test_07_impossible_sla_fails_up_and_node_keeps_serving(node):

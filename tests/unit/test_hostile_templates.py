@@ -4,7 +4,9 @@ Static: every `{{ ... }}` in a shell template (files/**/*.sh.j2, and monitor.env
 root sources) ends in `| q` or `| int`, or names a script rendered by fimfleet itself.
 Dynamic: the templates are rendered with hostile values (`;`, `$(...)`, backticks, quotes,
 newlines) and executed with bash in a private mount namespace, with every external
-command stubbed out; the payloads use only bash builtins, and none of them may run.
+command stubbed out; the payloads use only bash builtins, and none of them may run. Each
+template is rendered twice: with realistic shapes (hostile_renders), and with the payload as
+every value it takes, so a new template is covered the day it is added (hostile_everywhere).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from jinja2 import nodes
+from jinja2 import meta, nodes
 
 from components import templates
 
@@ -117,22 +119,6 @@ def hostile_renders(payload: str):
     yield "kernel-destroy", r("kernel/destroy.sh.j2", sysctl_path=payload, limits_path=payload, unit_path=payload,
                               apply_script=payload, modules_path=payload)
     yield "packages", r("host/packages.sh.j2", packages=[payload])
-    # nginx: the node's site step (server name, ACME domain and e-mail, paths) and the host's
-    files = [{"name": payload, "dest": payload, "mode": payload}]
-    for step in ("apply", "check", "destroy"):
-        yield f"ingress-{step}", _every(f"ingress/{step}.sh.j2", payload, files=files, legacy=[payload], acme=True,
-                                        renew_days=30, expiry_is_drift=True, check="true")
-        yield f"host-nginx-{step}", _every(f"ingress/base-{step}.sh.j2", payload, files=files, legacy=[payload],
-                                           check="true")
-
-
-def _every(name: str, payload: str, **fixed) -> str:
-    """`name` rendered with `payload` in every value it takes, but for the structured ones in `fixed`."""
-    from jinja2 import meta
-
-    env = templates.environment()
-    names = meta.find_undeclared_variables(env.parse(env.loader.get_source(env, name)[0]))
-    return templates.render(name, **{**{n: payload for n in names}, **{k: v for k, v in fixed.items() if k in names}})
 
 
 def _start_extras(payload: str) -> dict:
@@ -150,6 +136,55 @@ def test_hostile_values_never_run_as_commands(payload, tmp_path):
     for name, script in hostile_renders(payload):
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
         if out := run_sandboxed(script, tmp_path):
+            ran[name] = out
+    assert not ran, ran
+
+
+def _referenced(env, name: str) -> set[str]:
+    """Every value `name` and the templates it includes take."""
+    tree = env.parse(env.loader.get_source(env, name)[0])
+    names = set(meta.find_undeclared_variables(tree))
+    for inc in meta.find_referenced_templates(tree):
+        names |= _referenced(env, inc) if inc else set()
+    return names
+
+
+def hostile_everywhere(payload: str):
+    """Every shell template, with `payload` as every value it takes: a string, each field of a
+    list entry or mapping, each key and value. Catches a template that no render above names."""
+
+    class Hostile(str):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return Hostile(self)
+
+        def __iter__(self):
+            return iter([Hostile(self)])
+
+        def items(self):
+            return [(Hostile(self), Hostile(self))]
+
+        def __index__(self):  # "%d" | format(...) in the preflight's messages
+            return 1
+
+        def __gt__(self, other):  # `gpu_count > 0`: take the branch that uses the value
+            return True if isinstance(other, (int, float)) else str.__gt__(self, other)
+
+    env = templates.environment()
+    for name in SHELL_TEMPLATES:
+        values = {n: "true" if n in PRE_RENDERED else Hostile(payload) for n in _referenced(env, name)}
+        yield name, env.get_template(name).render(**values)
+
+
+@pytest.mark.parametrize("payload", PAYLOADS, ids=["semicolon", "dollar", "backtick", "squote", "dquote", "newline"])
+def test_hostile_values_in_every_template_never_run(payload, tmp_path):
+    rendered = dict(hostile_everywhere(payload))
+    assert set(rendered) == set(SHELL_TEMPLATES)
+    ran = {}
+    for i, (name, script) in enumerate(sorted(rendered.items())):
+        (tmp_path / str(i)).mkdir()
+        if out := run_sandboxed(script, tmp_path / str(i)):
             ran[name] = out
     assert not ran, ran
 
