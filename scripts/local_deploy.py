@@ -191,9 +191,11 @@ def main(argv=None) -> int:
     elif report:
         print("SLA report, measured in this run through the ingress:")
     print(report or "(no SLA report)")
-    print(f"\nContinue.dev config for {KEY_NAMES[0]} (~/.continue/config.yaml; every key has its own, "
+    # The stack's first user now: a revoked user has no editor config (and KEY_NAMES only seeds new stacks).
+    user = sorted(out["editorConfigs"])[0]
+    print(f"\nContinue.dev config for {user} (~/.continue/config.yaml; every key has its own, "
           f"see `pulumi stack output editorConfigs --show-secrets`):\n")
-    print(out["editorConfigs"][KEY_NAMES[0]]["continueYaml"])
+    print(out["editorConfigs"][user]["continueYaml"])
     ca = WORK / "fimfleet-ca.pem"
     ca.write_text(out["caPem"])
     print(f"smoke test (CA in {ca}; export FIMFLEET_KEY from the config above):\n  "

@@ -97,8 +97,9 @@ class Stack:
     def logs(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text(errors="replace")[-3000:]
 
-    def query(self, expr: str) -> list[dict]:
-        r = httpx.get(f"{self.api}/query", params={"query": expr}, timeout=10).json()
+    def query(self, expr: str, time: float | None = None) -> list[dict]:
+        params = {"query": expr} | ({"time": time} if time is not None else {})
+        r = httpx.get(f"{self.api}/query", params=params, timeout=10).json()
         assert r["status"] == "success", r
         return r["data"]["result"]
 
@@ -190,14 +191,27 @@ def test_recorded_ttft_p99_follows_the_sla_probe(stack):
     print(f"\nTTFT over {BURST['samples']} requests (concurrency {BURST['concurrency']}): "
           + ", ".join(f"p{q} recorded {recorded[q] * 1000:.1f} ms / probe {probe[q] * 1000:.1f} ms" for q in recorded)
           + f"; engine histogram p99 {engine_p99 * 1000:.1f} ms; recorded/probe p99 = {ratio:.2f}")
-    # the rule reproduces the engine's own histogram of these requests, within what rate()
-    # allows: it extrapolates each bucket series on its own, which moves the rank of a quantile
-    # by up to about one request. With 40 requests p99 sits 0.4 of a request below the slowest,
-    # so a lone slow outlier can land either side of it (seen: 46.7 ms recorded, 141 ms engine).
+    # The rule is histogram_quantile over the engine's bucket rates, by node, in the rule's window:
+    # recompute it from Prometheus's own rates at the instant the rule was evaluated.
+    at = stack.value('timestamp(fimfleet:ttft_seconds:p99{node="node"})')
+    rates = {float(r["metric"]["le"]): float(r["value"][1]) for r in stack.query(
+        f'sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{{job="vllm"}}[{stack.args.rate_window}]))', time=at)}
+    top, monotonic = 0.0, {}
+    for le in sorted(rates):  # as histogram_quantile does: separately extrapolated buckets can dip
+        top = monotonic[le] = max(top, rates[le])
+    for q, value in m.QUANTILES:
+        assert recorded[q] == pytest.approx(quantile(value, monotonic), rel=1e-6), (q, recorded, rates)
+    # ... which follows the engine's own histogram of these requests, within what rate() allows:
+    # it extrapolates each bucket series on its own, which moves a quantile's rank by about one
+    # request. In the tail it can do more: a bucket that already held the warm-up requests when
+    # Prometheus started is extrapolated towards the window's start, one that was empty is not,
+    # so p99 can land a bucket above the burst's slowest request (seen: 119 ms recorded against
+    # at most 71 ms). p99 is therefore bounded from below only.
     one = 1 / BURST["samples"]
     for q, value in m.QUANTILES:
         lo, hi = quantile(max(0.0, value - one), burst), quantile(min(1.0, value + one), burst)
-        assert lo * 0.9 <= recorded[q] <= hi * 1.1, f"p{q}: recorded {recorded[q]}, engine {lo}..{hi}"
+        assert lo * 0.9 <= recorded[q], f"p{q}: recorded {recorded[q]}, engine {lo}..{hi}"
+        assert q == "99" or recorded[q] <= hi * 1.1, f"p{q}: recorded {recorded[q]}, engine {lo}..{hi}"
     # ... which starts when the engine receives a request: it never shows a worse tail than the
     # probe measured through nginx (the path in front of the engine only adds to the probe's)
     assert recorded["99"] <= (1 + TOLERANCE) * probe["99"], (recorded, probe)
