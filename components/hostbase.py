@@ -2,8 +2,8 @@
 
 The connection (identity pinned), preflight, packages, kernel tuning, nginx's main config
 and systemd's watchdog belong to the host, not to a node: a second node on the same host
-shares them instead of writing the same sysctl, limits and nginx files again. NodeService (components/node.py) builds on
-its outputs.
+shares them instead of writing the same sysctl, limits and nginx files again. NodeService
+(components/node.py) builds on its outputs.
 
 Until the fleet shape, these resources lived under the node (InferenceNode). `moved_from`
 aliases them to those URNs, so an existing stack upgrades without replacing anything.

@@ -17,13 +17,12 @@ from components import templates
 from components.config import IngressConfig
 from components.host import HostFacts
 from components.ingress_render import IngressSpec, _is_ip, body_size_for, metrics_cidrs, site_files
-from components.nginx_base import LEGACY_FILES, STATE_DIR, NginxBase
+from components.nginx_base import LEGACY_FILES, STAGED_ROOT, STATE_DIR, NginxBase
 from components.remote import RemoteStep
 from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
 
-STAGED_ROOT = "/etc/fimfleet/nginx-staged"
 TLS_ROOT = "/etc/fimfleet/tls"
-"""Each node's staged files and certificate live in a directory named after it."""
+"""Each node's certificate lives in a directory named after it, as its staged files do."""
 RENEW_HINTS = {
     "self-signed": "the next pulumi up reissues it",
     "acme": "certbot.timer should have renewed it: see journalctl -u certbot; pulumi up runs certbot renew",
@@ -90,6 +89,11 @@ def tls_paths(i: IngressConfig, node: str) -> tuple[str, str]:
     return f"{TLS_ROOT}/{node}/server.pem", f"{TLS_ROOT}/{node}/server.key"
 
 
+def staged_dir(node: str) -> str:
+    """Where node `node`'s files are uploaded before apply installs them."""
+    return f"{STAGED_ROOT}/{node}"
+
+
 def render_files(args: IngressArgs, server_name: str, cert_pem: str, key_pem: str,
                  extra_keys: dict | None = None, nginx: NginxBase = NginxBase()) -> tuple[list[dict], list[dict]]:
     """Files to stage (uploaded) and where apply installs them; extra_keys are fimfleet's own (the probe's)."""
@@ -98,11 +102,10 @@ def render_files(args: IngressArgs, server_name: str, cert_pem: str, key_pem: st
     rendered = [(f.path, f"{f.mode:04o}", f.content) for f in site_files(spec)]
     if args.settings.tls != "acme":
         rendered += [(cert_path, "0644", cert_pem), (key_path, "0600", key_pem)]
-    staged_dir = f"{STAGED_ROOT}/{args.node}"
     staged, installs = [], []
     for dest, mode, content in rendered:
         name = dest.rsplit("/", 1)[-1]
-        staged.append({"path": f"{staged_dir}/{name}", "mode": mode, "content": content})
+        staged.append({"path": f"{staged_dir(args.node)}/{name}", "mode": mode, "content": content})
         installs.append({"name": name, "dest": dest, "mode": mode})
     return staged, installs
 
@@ -113,7 +116,7 @@ def step_scripts(args: IngressArgs, installs: list[dict], server_name: str = "lo
     drift (warned; the next up applies again); at the end of apply it only warns, so a short
     test validity still deploys."""
     i = args.settings
-    kw = dict(main=nginx.main_path, sites=nginx.sites_dir, staged_dir=f"{STAGED_ROOT}/{args.node}",
+    kw = dict(main=nginx.main_path, sites=nginx.sites_dir, staged_dir=staged_dir(args.node),
               staged_root=STAGED_ROOT, tls_dir=f"{TLS_ROOT}/{args.node}", tls_root=TLS_ROOT,
               prev_dir=f"{STATE_DIR}/{args.node}-prev", legacy=LEGACY_FILES, files=installs, server_name=server_name,
               https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from components import templates
+from components import grammar, templates
 from components.templates import make_environment
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "files" / "nginx"
@@ -27,9 +27,13 @@ SITES_DIR = "fimfleet.d"
 """Under conf_dir: each node's site (``<node>.conf``, included) and keys (``<node>.keys``)."""
 DROPIN_PATH = "/etc/systemd/system/nginx.service.d/fimfleet-limits.conf"
 """systemd drop-in that sets the nginx unit's LimitNOFILE (see render_dropin)."""
-STAGED_DIR = "/etc/fimfleet/nginx-staged/host"
+STAGED_ROOT = "/etc/fimfleet/nginx-staged"
 STATE_DIR = "/var/lib/fimfleet/nginx"
 """The distribution's nginx.conf (restored by destroy) and each step's previous files."""
+HOST_DIR = "_host"
+"""This step's directory under both, beside each node's (named after it): no node is named
+so, since node names are DNS labels."""
+STAGED_DIR = f"{STAGED_ROOT}/{HOST_DIR}"
 LEGACY_FILES = ("fimfleet-keys.conf", "fimfleet-site.conf")
 """The single-node layout's site and keys, in conf_dir, which the old main config included."""
 
@@ -82,9 +86,7 @@ class NginxBase:
         check_int(o, "worker_connections", self.worker_connections, 16, 524288)
         if self.worker_processes != "auto":
             check_int(o, "worker_processes", self.worker_processes, 1, 1024)
-        if self.worker_user is not None and (
-            not isinstance(self.worker_user, str) or not re.match(r"^[a-z_][a-z0-9_-]{0,31}$", self.worker_user)
-        ):
+        if self.worker_user is not None and grammar.unix_user(self.worker_user):
             fail(o, "worker_user", self.worker_user, "use a POSIX user name such as 'www-data', or None")
         for name in ("conf_dir", "log_dir", "pid_path", "temp_dir"):
             check_path(o, name, getattr(self, name))
@@ -132,7 +134,7 @@ def render(base: NginxBase) -> NginxBaseSteps:
     contents = {MAIN_CONF: (base.main_path, render_main(base)), "fimfleet-limits.conf": (DROPIN_PATH, render_dropin(base))}
     installs = [{"name": name, "dest": dest, "mode": "0644"} for name, (dest, _) in contents.items()]
     kw = dict(conf=base.conf_dir, main=base.main_path, sites=base.sites_dir, staged_dir=STAGED_DIR, state_dir=STATE_DIR,
-              dropin=DROPIN_PATH, files=installs, legacy=LEGACY_FILES)
+              prev_dir=f"{STATE_DIR}/{HOST_DIR}-prev", dropin=DROPIN_PATH, files=installs, legacy=LEGACY_FILES)
     check = templates.render("ingress/base-check.sh.j2", **kw)
     return NginxBaseSteps(
         files=[{"path": f"{STAGED_DIR}/{name}", "mode": "0644", "content": content} for name, (_, content) in contents.items()],

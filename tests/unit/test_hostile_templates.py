@@ -123,10 +123,7 @@ def hostile_renders(payload: str):
 
 def _start_extras(payload: str) -> dict:
     """start.sh.j2 may take more values than these tests know of: give every other one the payload too."""
-    from jinja2 import meta
-
-    env = templates.environment()
-    names = meta.find_undeclared_variables(env.parse(env.loader.get_source(env, "runtime/start.sh.j2")[0]))
+    names = _referenced(templates.environment(), "runtime/start.sh.j2")
     return {**{n: payload for n in names - {"unit", "served_name", "port", "timeout_s"}}, "files": [payload, payload]}
 
 

@@ -165,3 +165,15 @@ def test_config_validity_bound_is_the_issuers():
     assert cfg_for(certValidityDays=tls.MAX_VALIDITY_DAYS).ingress.cert_validity_days == 365
     with pytest.raises(ValueError):
         tls.issue("a", ["a"], [], days=tls.MAX_VALIDITY_DAYS + 1)
+
+
+def test_no_node_name_reaches_the_hosts_own_nginx_directories():
+    """The host step stages and keeps its previous files beside each node's: a node named
+    like it would have its destroy delete the host's staged main config."""
+    from components import grammar, nginx_base
+
+    host_step = render_host_nginx(NginxBase())
+    assert not grammar.DNS_LABEL.fullmatch(nginx_base.HOST_DIR)
+    assert {f["path"].rsplit("/", 1)[0] for f in host_step.files} == {f"{nginx_base.STAGED_ROOT}/{nginx_base.HOST_DIR}"}
+    assert f"{nginx_base.STATE_DIR}/{nginx_base.HOST_DIR}-prev" in host_step.apply
+    assert ingress.staged_dir("host") != nginx_base.STAGED_DIR
