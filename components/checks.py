@@ -12,7 +12,7 @@ from pathlib import Path
 
 from components import grammar, models, sizing
 from components.cloud_types import CLOUD_PROVIDERS
-from components.config import PORT, Problem, _camel
+from components.config import PORT, Problem, camel
 
 CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)$")
 
@@ -156,7 +156,7 @@ def check_runtime(runtime, tier, problems):
     if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", runtime.vllm_version or ""):
         problems.append(Problem("runtime.vllmVersion", runtime.vllm_version, "must be an exact release like 0.32.0"))
     for k in ("index_url", "wheelhouse_url"):
-        _grammar(problems, f"runtime.{_camel(k)}", getattr(runtime, k), grammar.url)
+        _grammar(problems, f"runtime.{camel(k)}", getattr(runtime, k), grammar.url)
     _grammar(problems, "runtime.image", runtime.image, grammar.image)
     _grammar(problems, "runtime.venvPath", runtime.venv_path, grammar.abs_path)
     if runtime.pip_spec and not re.fullmatch(r"[A-Za-z0-9._-]+(\[[A-Za-z0-9,._-]+\])?(==[A-Za-z0-9.+!-]+)?", runtime.pip_spec):
@@ -217,7 +217,7 @@ def check_ports(engine, ingress, problems):
     for k in ("https_port", "http_port"):
         port = getattr(ingress, k)
         if _have(port, engine.port) and port == engine.port:
-            problems.append(Problem("engine.port", engine.port, f"must differ from ingress.{_camel(k)} ({port}); e.g. 8000"))
+            problems.append(Problem("engine.port", engine.port, f"must differ from ingress.{camel(k)} ({port}); e.g. 8000"))
 
 
 def check_memory(spec, model, engine, host, tier, problems):

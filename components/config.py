@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from components import grammar, ingress_render, keys, models, sizing
@@ -43,7 +42,8 @@ class ConfigError(ValueError):
         super().__init__("invalid stack config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _camel(name: str) -> str:
+def camel(name: str) -> str:
+    """The stack YAML's key for a field name: error messages name the key a user types."""
     head, *rest = name.split("_")
     return head + "".join(w[:1].upper() + w[1:] for w in rest)
 
@@ -238,6 +238,30 @@ class StackConfig:
     secrets: Secrets
     model_spec: models.ModelSpec
     memory: sizing.MemoryPlan
+    nodes: dict = field(default_factory=dict)
+    """Node name -> NodeConfig, in rollout order; `host` and `memory` are the first node's."""
+    node_key: str = "host"
+    """Where this view's host facts are set: `host`, or `nodes.<name>` in the fimfleet:nodes form."""
+
+    def node_names(self) -> list[str]:
+        return list(self.nodes) or ["node"]
+
+    def for_node(self, name: str) -> "StackConfig":
+        """This stack as node `name` sees it: its own host facts and memory plan."""
+        if not self.nodes:
+            return self
+        n = self.nodes[name]
+        return replace(self, host=n.host, memory=n.memory, node_key=n.key)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One node of fimfleet:nodes: its host (stack-wide host.* with the node's keys on top) and
+    the memory plan for that host's hardware."""
+
+    host: HostConfig
+    memory: sizing.MemoryPlan | None
+    key: str = "host"
 
 
 SECTIONS = {
@@ -245,7 +269,7 @@ SECTIONS = {
     "ingress": IngressConfig, "monitor": MonitorConfig, "sla": SlaConfig, "kernel": KernelConfig,
     "monitoring": MonitoringConfig,
 }
-TOP_LEVEL = ("tier", *SECTIONS, *SECRET_KEYS)
+TOP_LEVEL = ("tier", *SECTIONS, "nodes", *SECRET_KEYS)
 PY_TYPES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a map"}
 
 
@@ -268,7 +292,7 @@ def _tier_defaults(tier: Tier) -> dict[str, dict[str, Any]]:
 def _config_key(f) -> str:
     # memoryGiB / memoryBandwidthGBs / gpuMemoryGiB / kvCacheGiB keep their unit's capitals.
     return {"memory_gib": "memoryGiB", "gpu_memory_gib": "gpuMemoryGiB", "kv_cache_gib": "kvCacheGiB",
-            "memory_bandwidth_gbs": "memoryBandwidthGBs"}.get(f.name, _camel(f.name))
+            "memory_bandwidth_gbs": "memoryBandwidthGBs"}.get(f.name, camel(f.name))
 
 
 def _parse_section(name, cls, raw, defaults, problems):
@@ -313,11 +337,9 @@ def _parse_section(name, cls, raw, defaults, problems):
     return cls(**values)
 
 
-
-
 def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> StackConfig:
     """Validate a stack's fimfleet config. `raw` maps short keys (no namespace) to parsed values."""
-    from components import checks  # checks reads this module's types: import it late, not circularly
+    from components import checks, nodes_config  # they read this module's types: import them late, not circularly
 
     problems: list[Problem] = []
     for k in raw:
@@ -332,7 +354,10 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     tier = TIERS[tier_name]
     defaults = _tier_defaults(tier)
     sec = {name: _parse_section(name, cls, raw.get(name), defaults.get(name, {}), problems)
-           for name, cls in SECTIONS.items()}
+           for name, cls in SECTIONS.items() if name != "host"}
+    if raw.get("host") is not None and not isinstance(raw["host"], dict):
+        problems.append(Problem("host", raw["host"], "must be a map of settings: " + ", ".join(_config_key(f) for f in fields(HostConfig))))
+    node_entries = nodes_config.entries(raw.get("nodes"), raw.get("host"), problems)
 
     for sk in SECRET_KEYS:
         if sk in raw and sk not in secret_keys:
@@ -348,11 +373,13 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=dict(api_keys),
                       hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""))
 
-    host, model, engine, runtime, ingress = sec["host"], sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
-    host = sec["host"] = _check_cloud(host, raw.get("host"), tier, ingress, secrets, problems)
-    checks.check_host(host, secrets, problems)
+    model, engine, runtime, ingress = sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
     model_spec = checks.check_model(model, tier, problems)
-    checks.check_engine(engine, host, tier, model_spec, problems)
+    nodes = {name: _parse_node(name, entry, "nodes" in raw, raw.get("host"), defaults["host"], tier, model_spec,
+                               sec, secrets, problems) for name, entry in node_entries.items()}
+    nodes_config.check_distinct({n: c.host for n, c in nodes.items()}, problems)
+    problems[:] = nodes_config.unique(problems)
+    first = next(iter(nodes.values()))
     checks.check_runtime(runtime, tier, problems)
     checks.check_ingress(ingress, secrets, problems)
     sla = sec["sla"]
@@ -364,20 +391,37 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     checks.check_sla_fits_the_ingress(sla, ingress, problems)
     checks.check_sla_ceiling(sla, runtime, model, model_spec, problems)
 
-    memory = None
-    needed = (host.memory_gib, host.gpu_memory_gib, engine.kv_cache_gib, engine.max_model_len, engine.max_num_seqs,
-              engine.gpu_memory_utilization, engine.tensor_parallel_size)
-    if model_spec is not None and model.quantization in models.QUANTIZATIONS and None not in needed:
-        memory = checks.check_memory(model_spec, model, engine, host, tier, problems)
     if problems:
         raise ConfigError(problems)
-    cfg = StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=memory, **sec)
+    cfg = StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=first.memory, host=first.host,
+                      nodes=nodes, **sec)
     if cfg.monitoring.enabled:
         from components import monitoring  # monitoring reads this module's types: import it late
 
         if found := monitoring.problems(monitoring.args_for(cfg, "node")):
             raise ConfigError(found)
     return cfg
+
+
+def _parse_node(name, entry, named, raw_host, host_defaults, tier, model_spec, sec, secrets, problems) -> NodeConfig:
+    """One node's host (stack-wide host.* with its own keys on top), checked against the tier's
+    sizing; its problems name nodes.<name>.<key> where the node set the value."""
+    from components import checks, nodes_config
+
+    found: list[Problem] = []
+    merged = nodes_config.merged_host(raw_host, entry, named)
+    host = _parse_section("host", HostConfig, merged, host_defaults, found)
+    host = _check_cloud(host, merged, tier, sec["ingress"], secrets, found)
+    checks.check_host(host, secrets, found)
+    model, engine = sec["model"], sec["engine"]
+    checks.check_engine(engine, host, tier, model_spec, found)
+    memory = None
+    needed = (host.memory_gib, host.gpu_memory_gib, engine.kv_cache_gib, engine.max_model_len, engine.max_num_seqs,
+              engine.gpu_memory_utilization, engine.tensor_parallel_size)
+    if model_spec is not None and model.quantization in models.QUANTIZATIONS and None not in needed:
+        memory = checks.check_memory(model_spec, model, engine, host, tier, found)
+    problems.extend(nodes_config.locate(found, name, entry, named))
+    return NodeConfig(host=host, memory=memory, key=f"nodes.{name}" if named else "host")
 
 
 def _check_cloud(host, raw_host, tier, ingress, secrets, problems) -> HostConfig:
@@ -388,33 +432,6 @@ def _check_cloud(host, raw_host, tier, ingress, secrets, problems) -> HostConfig
     host, found = cloud_types.check(host, raw_host, tier, ingress, secrets)
     problems.extend(found)
     return host
-
-
-LOCAL_PASSPHRASE = "fimfleet-local"
-"""The local test stacks' published passphrase (./fimfleet sets it for them); never for a real stack."""
-
-
-def is_local_stack(stack: str) -> bool:
-    return stack == "local" or stack.startswith("local-")
-
-
-def check_passphrase(stack: str, dry_run: bool, environ=None, stack_dir: Path | None = None) -> None:
-    """Refuse to deploy a real stack whose secrets are encrypted with the published passphrase.
-
-    ./fimfleet refuses it before `config set --secret` and `up`; this covers the official CLI."""
-    import os
-
-    env = os.environ if environ is None else environ
-    if dry_run or is_local_stack(stack) or env.get("PULUMI_CONFIG_PASSPHRASE") != LOCAL_PASSPHRASE:
-        return
-    stack_file = (stack_dir or Path(__file__).resolve().parent.parent / "stacks") / f"Pulumi.{stack}.yaml"
-    text = stack_file.read_text() if stack_file.exists() else ""
-    if re.search(r"^secretsprovider: *(?!passphrase)[a-z]+://", text, re.M):
-        return
-    raise ConfigError([Problem("env:PULUMI_CONFIG_PASSPHRASE", "<the local test stacks' passphrase>",
-                               f"stack {stack} must not encrypt its secrets with the passphrase published for the local "
-                               "test stacks: export PULUMI_CONFIG_PASSPHRASE=<your own> (then re-set the secrets), or "
-                               f"pulumi stack change-secrets-provider -s {stack} awskms://... (or another KMS)")])
 
 
 def from_pulumi() -> StackConfig:

@@ -24,8 +24,11 @@ class FleetArgs:
 
 
 def args_for(cfg) -> FleetArgs:
-    """Today's stacks: one node, named `node`, on one host of the same name."""
-    return FleetArgs(hosts={"node": hostbase.args_for(cfg)}, nodes={"node": node.args_for(cfg, "node", host="node")})
+    """Each node of fimfleet:nodes on a host of its own, of the same name (the single-node
+    shorthand is the node `node`), in the stack's order: the first is the canary."""
+    views = {name: cfg.for_node(name) for name in cfg.node_names()}
+    return FleetArgs(hosts={name: hostbase.args_for(view) for name, view in views.items()},
+                     nodes={name: node.args_for(view, name, host=name) for name, view in views.items()})
 
 
 class Fleet(pulumi.ComponentResource):

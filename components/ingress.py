@@ -13,10 +13,10 @@ from typing import Mapping
 
 import pulumi
 
-from components import templates
+from components import grammar, templates
 from components.config import IngressConfig
 from components.host import HostFacts
-from components.ingress_render import IngressSpec, _is_ip, body_size_for, metrics_cidrs, site_files
+from components.ingress_render import IngressSpec, body_size_for, metrics_cidrs, site_files
 from components.nginx_base import LEGACY_FILES, STAGED_ROOT, STATE_DIR, NginxBase
 from components.remote import RemoteStep
 from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
@@ -142,8 +142,8 @@ class NginxIngress(pulumi.ComponentResource):
         self.probe_endpoint = self.endpoint
 
         if i.tls == "self-signed":
-            ips = [a for a in {host.configured_address, "127.0.0.1"} if a and _is_ip(a)]
-            dns = sorted({n for n in (i.domain, host.configured_address, "localhost") if n and not _is_ip(n)})
+            ips = [a for a in {host.configured_address, "127.0.0.1"} if a and grammar.ip(a)]
+            dns = sorted({n for n in (i.domain, host.configured_address, "localhost") if n and not grammar.ip(n)})
             cert = SelfSignedCertificate(f"{name}-cert", common_name=i.domain or host.configured_address or "localhost",
                                          dns_names=dns, ip_addresses=(host.address.apply(lambda a: sorted({a, *ips}))
                                                                       if host.provisioned else sorted(ips)),

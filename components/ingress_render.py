@@ -290,7 +290,7 @@ def _context(spec: IngressSpec) -> dict:
         "redirect_base": f"https://{spec.server_name}{https_suffix}",
         "metrics_cidrs": [str(ipaddress.ip_network(c)) for c in spec.metrics_allow_cidrs],
         "upstream": _listen(spec.upstream_host, spec.upstream_port)
-        if _is_ip(spec.upstream_host) else f"{spec.upstream_host}:{spec.upstream_port}",
+        if grammar.ip(spec.upstream_host) else f"{spec.upstream_host}:{spec.upstream_port}",
         "key_entries": [(_key_regex(k), n) for n, k in sorted(spec.api_keys.items())],
         "upstream_authorization": f"Bearer {spec.upstream_api_key}" if spec.upstream_api_key else "",
         "json_errors": {code: _json_error_body(code) for code in _JSON_ERRORS},
@@ -303,14 +303,6 @@ def _context(spec: IngressSpec) -> dict:
 def access_log(spec: IngressSpec) -> str:
     """The node's JSON access log (key names, never keys)."""
     return f"{spec.base.log_dir.rstrip('/')}/fimfleet-{spec.node}-access.log"
-
-
-def _is_ip(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-        return True
-    except ValueError:
-        return False
 
 
 # status -> (OpenAI-style error type, code, message). Bodies are OpenAI-shaped so

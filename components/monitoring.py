@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import pulumi
 
 from components import templates
-from components.config import ConfigError, Problem, _camel
+from components.config import ConfigError, Problem, camel
 from components.monitoring_args import (CONFIG_DIR, HELPER_STATE, MONITOR_RUN_DIR, TEXTFILE_DIR, ExporterArgs,  # noqa: F401
                                         ExporterTarget, MonitoringArgs, ScrapeNode, args_for)
 from components.remote import RemoteStep
@@ -137,7 +137,7 @@ def _fields(obj, prefix: str, rules) -> list[Problem]:
             except TypeError:  # e.g. a number where a string belongs
                 good = False
             if not good:
-                out.append(Problem(f"{prefix}.{_camel(name)}", value, fix))
+                out.append(Problem(f"{prefix}.{camel(name)}", value, fix))
     return out
 
 

@@ -119,7 +119,7 @@ def _pinning_policy(expected: str, seen: list[str], where: str, accept_key: str)
                     f"the SSH host key of {where} changed: pinned {fingerprint(expected)}, presented "
                     f"{fingerprint(presented)}. Nothing was sent. If the host was rebuilt on purpose, check the new "
                     f"fingerprint on its console, then accept it: pulumi config set --path {accept_key} "
-                    f"'{presented}' and run pulumi up again")
+                    f"'{presented}' (nodes.<name>.hostKey with fimfleet:nodes) and run pulumi up again")
 
     return Pin()
 
@@ -134,7 +134,7 @@ def session(t: SshTarget, retries: int = 3, accept_key: str = "fimfleet:host.hos
     import paramiko
 
     if not t.host_key and not first_contact:
-        raise Error(f"no pinned SSH host key for {t.where}: refusing to send anything (set fimfleet:host.hostKey)")
+        raise Error(f"no pinned SSH host key for {t.where}: refusing to send anything (set fimfleet:host.hostKey, or nodes.<name>.hostKey)")
     key = _pkey(t.private_key)
     last: Exception | None = None
     for attempt in range(retries):
@@ -178,7 +178,8 @@ def session(t: SshTarget, retries: int = 3, accept_key: str = "fimfleet:host.hos
                 jump.close()
         return
     raise Unreachable(f"cannot reach {t.where} over SSH after {retries} attempts: {last}. "
-                      "Check fimfleet:host.address/port, the firewall, and fimfleet:sshPrivateKey")
+                      "Check fimfleet:host.address/port (nodes.<name>.address/port with fimfleet:nodes), the firewall, "
+                      "and fimfleet:sshPrivateKey")
 
 
 def run(client, script: str, *, timeout_s: float = 1800, env: dict[str, str] | None = None,
@@ -386,7 +387,7 @@ class RemoteStepProvider(ResourceProvider):
             self._exec(id_, props, "destroy")
         except Unreachable as e:
             warn(f"{label}: {e}. The destroy step was skipped and what it installed on {where} stays; "
-                 "set fimfleet:host.gone: true to skip the retries next time")
+                 "set fimfleet:host.gone: true (nodes.<name>.gone with fimfleet:nodes) to skip the retries next time")
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
         changed = [k for k in (*STEP_KEYS, "check") if olds.get(k) != news.get(k)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pulumi
 
-from components import config, engine, runtime
+from components import config, engine, passphrase, runtime
 
 
 def engine_arguments(cfg: config.StackConfig) -> None:
@@ -25,6 +25,6 @@ def engine_arguments(cfg: config.StackConfig) -> None:
 def stack() -> config.StackConfig:
     """The running stack's validated config; raises config.ConfigError listing every problem."""
     cfg = config.from_pulumi()
-    config.check_passphrase(pulumi.get_stack(), dry_run=pulumi.runtime.is_dry_run())
+    passphrase.check_passphrase(pulumi.get_stack(), dry_run=pulumi.runtime.is_dry_run())
     engine_arguments(cfg)
     return cfg

@@ -27,8 +27,8 @@ def test_unreachable_host_fails_up_with_one_readable_error(tmp_path):
     assert pulumi("stack", "init").returncode == 0
     for args, stdin in ((("config", "set", "--secret", "fimfleet:sshPrivateKey"), ssh_key()),
                         (("config", "set", "--secret", "--path", "fimfleet:apiKeys.alice", API_KEY), None),
-                        (("config", "set", "--path", "fimfleet:host.address", "127.0.0.1"), None),
-                        (("config", "set", "--path", "fimfleet:host.port", "1"), None)):
+                        (("config", "set", "--path", "fimfleet:nodes.node.address", "127.0.0.1"), None),
+                        (("config", "set", "--path", "fimfleet:nodes.node.port", "1"), None)):
         r = pulumi(*args, input=stdin)
         assert r.returncode == 0, r.stderr
     up = pulumi("up", "--yes", "--skip-preview")
@@ -53,7 +53,7 @@ def test_an_engine_flag_that_vllm_refuses_fails_preview_with_vllms_words(tmp_pat
     assert pulumi("stack", "init").returncode == 0
     for args, stdin in ((("config", "set", "--secret", "fimfleet:sshPrivateKey"), ssh_key()),
                         (("config", "set", "--secret", "--path", "fimfleet:apiKeys.alice", API_KEY), None),
-                        (("config", "set", "--path", "fimfleet:host.address", "203.0.113.10"), None),
+                        (("config", "set", "--path", "fimfleet:nodes.node.address", "203.0.113.10"), None),
                         (("config", "set", "--path", "fimfleet:engine.extraArgs[0]", "--", "--fimfleet-no-such-flag"), None)):
         r = pulumi(*args, input=stdin)
         assert r.returncode == 0, r.stderr

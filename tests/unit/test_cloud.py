@@ -357,7 +357,7 @@ def test_dns_record_points_the_domain_at_the_instance(stack, mocks):
     ({"instanceType": "p5.4xlarge", "provider": "aws", "gpuMemoryGiB": 160}, "host.gpuMemoryGiB", "comes from host.instanceType"),
     ({"provider": "aws", "adminCidrs": ["0.0.0.0/0"]}, "host.adminCidrs[0]", "whole internet"),
     ({"provider": "aws", "adminCidrs": []}, "host.adminCidrs", "networks allowed to SSH"),
-    ({"provider": "aws", "address": "203.0.113.9"}, "host.address", "creates the instance"),
+    ({"provider": "aws", "address": "203.0.113.9"}, "host.address", "as nodes.node.address"),
     ({"provider": "aws", "image": "debian-12"}, "host.image", "AMI ID"),
     ({"provider": "hcloud", "instanceType": ""}, "host.instanceType", "no hcloud type fimfleet knows carries tier gpu-h100"),
     ({"provider": "aws", "dnsZone": "example.org"}, "host.dnsZone", "not inside this zone"),

@@ -1,10 +1,11 @@
 """Stack config validation: every problem at once, each naming key, value and fix."""
 
 import json
+from pathlib import Path
 
 import pytest
 
-from components import config
+from components import config, passphrase
 from tests.helpers import raw_config
 
 
@@ -255,24 +256,24 @@ def test_every_tier_default_is_valid_and_fits(tier):
 
 
 def test_published_passphrase_is_refused_for_real_stacks_only(tmp_path):
-    env = {"PULUMI_CONFIG_PASSPHRASE": config.LOCAL_PASSPHRASE}
+    env = {"PULUMI_CONFIG_PASSPHRASE": passphrase.LOCAL_PASSPHRASE}
     (tmp_path / "Pulumi.cpu-epyc-prod.yaml").write_text("config: {}\n")
     with pytest.raises(config.ConfigError, match="PULUMI_CONFIG_PASSPHRASE=<your own>"):
-        config.check_passphrase("cpu-epyc-prod", dry_run=False, environ=env, stack_dir=tmp_path)
-    config.check_passphrase("cpu-epyc-prod", dry_run=True, environ=env, stack_dir=tmp_path)  # previews decrypt only
-    config.check_passphrase("local", dry_run=False, environ=env, stack_dir=tmp_path)
-    config.check_passphrase("local-fleet", dry_run=False, environ=env, stack_dir=tmp_path)
-    config.check_passphrase("cpu-epyc-prod", dry_run=False, environ={"PULUMI_CONFIG_PASSPHRASE": "own"}, stack_dir=tmp_path)
+        passphrase.check_passphrase("cpu-epyc-prod", dry_run=False, environ=env, stack_dir=tmp_path)
+    passphrase.check_passphrase("cpu-epyc-prod", dry_run=True, environ=env, stack_dir=tmp_path)  # previews decrypt only
+    passphrase.check_passphrase("local", dry_run=False, environ=env, stack_dir=tmp_path)
+    passphrase.check_passphrase("local-fleet", dry_run=False, environ=env, stack_dir=tmp_path)
+    passphrase.check_passphrase("cpu-epyc-prod", dry_run=False, environ={"PULUMI_CONFIG_PASSPHRASE": "own"}, stack_dir=tmp_path)
     (tmp_path / "Pulumi.cpu-epyc-prod.yaml").write_text("secretsprovider: awskms://alias/fimfleet\nconfig: {}\n")
-    config.check_passphrase("cpu-epyc-prod", dry_run=False, environ=env, stack_dir=tmp_path)
+    passphrase.check_passphrase("cpu-epyc-prod", dry_run=False, environ=env, stack_dir=tmp_path)
 
 
 def test_no_real_stack_file_carries_the_local_passphrase_salt():
     # The salt in a stack file binds it to one passphrase: a committed salt from the published one would
     # force every user of that stack onto it.
-    for f in sorted((config.Path(__file__).resolve().parents[2] / "stacks").glob("Pulumi.*.yaml")):
+    for f in sorted((Path(__file__).resolve().parents[2] / "stacks").glob("Pulumi.*.yaml")):
         stack = f.name[len("Pulumi."):-len(".yaml")]
-        if not config.is_local_stack(stack):
+        if not passphrase.is_local_stack(stack):
             assert "encryptionsalt:" not in f.read_text(), f
 
 

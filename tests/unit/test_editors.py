@@ -45,7 +45,7 @@ def stack_config(stack: str, tmp_path: Path, **overrides) -> config.StackConfig:
     doc = yaml.safe_load((ROOT / "stacks" / f"Pulumi.{stack}.yaml").read_text())["config"]
     raw = {k.split(":", 1)[1]: v for k, v in doc.items()}
     raw.update(sshPrivateKey=ssh_key(), apiKeys={"alice": API_KEY, "bob": API_KEY[::-1]})
-    if raw["host"].get("kind") == "local-vm":
+    if (raw.get("host") or {}).get("kind") == "local-vm":
         raw["host"]["testbedState"] = str(tmp_path / "testbed")
         raw["model"]["localPath"] = str(model_dir(tmp_path))
     for dotted, value in overrides.items():

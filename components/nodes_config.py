@@ -1,0 +1,111 @@
+"""fimfleet:nodes: the stack's nodes, each on its own host, by name.
+
+A node entry holds only what differs between machines (where SSH reaches it, and its hardware
+facts); everything else comes from the tier and the stack, `host.*` included, so shared
+settings (provider, user, bastion) are written once. A stack without `nodes` is one node
+named `node` on `host`: the single-node shorthand, kept so those stacks upgrade unchanged.
+"""
+
+from __future__ import annotations
+
+from components import grammar
+from components.config import Problem
+
+NODE_KEYS = ("address", "port", "user", "bastion", "hostKey", "testbedState", "gone", "cpus", "memoryGiB",
+             "memoryBandwidthGBs", "numaNodes", "cpuFlags", "maxStealPercent", "gpuModel", "gpuCount", "gpuMemoryGiB")
+"""host.* keys a node may set for itself."""
+OWN_KEYS = ("address", "hostKey", "testbedState")
+"""Keys that name one machine: in the `nodes` form they belong to a node, never to host.*."""
+DEFAULT_NODE = "node"
+RESERVED = ("gateway",)
+"""Names the fleet's own parts use on a host (the gateway's nginx site)."""
+EXAMPLE = "nodes: {epyc1: {address: 203.0.113.10}, epyc2: {address: 203.0.113.11}}"
+
+
+def entries(raw_nodes, raw_host, problems: list[Problem]) -> dict[str, dict]:
+    """Node name -> its own host.* overrides, in rollout order (the first is the canary)."""
+    if raw_nodes is None:
+        return {DEFAULT_NODE: {}}
+    if not isinstance(raw_nodes, dict) or not raw_nodes:
+        problems.append(Problem("nodes", raw_nodes, f"must map node names to their hosts, e.g. {EXAMPLE}"))
+        return {DEFAULT_NODE: {}}
+    host = raw_host if isinstance(raw_host, dict) else {}
+    for k in OWN_KEYS:
+        if host.get(k):
+            problems.append(Problem(f"host.{k}", host[k], f"names one machine: with fimfleet:nodes set it per node, "
+                                    f"as nodes.{next(iter(raw_nodes))}.{k}"))
+    out: dict[str, dict] = {}
+    for name, entry in raw_nodes.items():
+        name = str(name)
+        if msg := grammar.dns_label(name):
+            problems.append(Problem(f"nodes.{name}", entry, f"node name {msg}"))
+            continue
+        if name in RESERVED:
+            problems.append(Problem(f"nodes.{name}", entry, f"{name!r} is reserved for the fleet's own parts; "
+                                    f"rename the node (e.g. {name}1)"))
+            continue
+        entry = {} if entry is None else entry
+        if not isinstance(entry, dict):
+            problems.append(Problem(f"nodes.{name}", entry, f"must be a map of this node's settings: {', '.join(NODE_KEYS)}"))
+            continue
+        for k in entry:
+            if k not in NODE_KEYS:
+                close = [c for c in NODE_KEYS if c.lower() == str(k).lower()]
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                problems.append(Problem(f"nodes.{name}.{k}", entry[k], f"unknown key; {hint}a node sets only: "
+                                        f"{', '.join(NODE_KEYS)} (the rest is stack-wide: host.*, engine.*, ...)"))
+        out[name] = {k: v for k, v in entry.items() if k in NODE_KEYS}
+    return out or {DEFAULT_NODE: {}}
+
+
+def merged_host(raw_host, entry: dict, named: bool) -> dict:
+    """A node's host.* as the section parser reads it: the stack's values (less those that name
+    one machine, already refused there), the node's on top."""
+    shared = {k: v for k, v in (raw_host if isinstance(raw_host, dict) else {}).items() if not (named and k in OWN_KEYS)}
+    return {**shared, **entry}
+
+
+def locate(found: list[Problem], name: str, entry: dict, named: bool) -> list[Problem]:
+    """Report a node's host problems at the key the user set: nodes.<name>.<key> when the node
+    set it (or, in the `nodes` form, when it names one machine), else host.<key>."""
+    out = []
+    for p in found:
+        parts = p.key.split(".")
+        sub = parts[1].split("[")[0] if parts[0] == "host" and len(parts) > 1 else None
+        if named and sub in NODE_KEYS and (sub in entry or sub in OWN_KEYS):
+            key = ".".join(["nodes", name, *parts[1:]])
+            out.append(Problem(key, p.value, p.fix.replace(f"fimfleet:host.{sub}", f"fimfleet:nodes.{name}.{sub}")))
+        else:
+            out.append(p)
+    return out
+
+
+def unique(problems: list[Problem]) -> list[Problem]:
+    """Stack-wide problems show once, however many nodes found them."""
+    seen, out = set(), []
+    for p in problems:
+        mark = (p.key, repr(p.value), p.fix)
+        if mark not in seen:
+            seen.add(mark)
+            out.append(p)
+    return out
+
+
+def check_distinct(hosts: dict, problems: list[Problem]) -> None:
+    """Each node needs its own machine (two nodes on one SSH endpoint would fight over its units),
+    and only one of them can own the stack's DNS name."""
+    seen: dict[tuple, str] = {}
+    for name, h in hosts.items():
+        where = (h.address, h.port) if h.address else (("testbed", h.testbed_state) if h.testbed_state else None)
+        if where is None:
+            continue  # a cloud node: fimfleet creates its own instance
+        if where in seen:
+            key = "address" if h.address else "testbedState"
+            problems.append(Problem(f"nodes.{name}.{key}", where[1] if key == "testbedState" else h.address,
+                                    f"is also nodes.{seen[where]}'s host: each node needs its own machine"))
+        else:
+            seen[where] = name
+    zoned = [n for n, h in hosts.items() if h.dns_zone]
+    if len(hosts) > 1 and zoned:
+        problems.append(Problem("host.dnsZone", hosts[zoned[0]].dns_zone, "would point ingress.domain at every node "
+                                "of the fleet: leave it unset with several nodes and point the name at the gateway"))
