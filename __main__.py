@@ -2,7 +2,7 @@
 
 import pulumi
 
-from components import config, fleet as fleet_shape, validate
+from components import config, fleet as fleet_shape, node as node_shape, validate
 from components.fleet import Fleet
 
 try:
@@ -12,18 +12,28 @@ except config.ConfigError as err:
     pulumi.log.error(str(err))
     raise SystemExit(32) from None
 
-fleet = Fleet("fleet", fleet_shape.args_for(cfg))
-node = fleet.nodes["node"]
-pulumi.export("endpoint", node.endpoint)
+shape = fleet_shape.args_for(cfg)
+fleet = Fleet("fleet", shape)
+node = next(iter(fleet.nodes.values()))  # the canary; the only node of a single-node stack
+pulumi.export("endpoint", fleet.endpoint)
 pulumi.export("model", node.model)
 pulumi.export("tier", cfg.tier.name)
-pulumi.export("caPem", node.ingress.ca_pem)
+pulumi.export("caPem", fleet.ca_pem)
 pulumi.export("memoryPlan", cfg.memory.explain() if cfg.memory else "")
 # The plan's KV token capacity beside what vLLM allocated on the node, and the error in %.
 pulumi.export("kvCache", node.kv_cache)
-# Per user key: editorConfigs.<name>.continueYaml and .cursorNotes, all secret (components/editors.py).
-pulumi.export("editorConfigs", node.editor_configs)
+# Per user key: editorConfigs.<name>.continueYaml and .cursorNotes, all secret (components/editors.py),
+# pointing at the fleet's endpoint (its gateway when it has one).
+pulumi.export("editorConfigs", node_shape.editor_outputs(node.args.editors, fleet.endpoint, fleet.ca_pem,
+                                                         node.args.api_keys) if fleet.gateway else node.editor_configs)
 pulumi.export("curlSmokeTest", node.curl)
+if len(fleet.nodes) > 1 or fleet.gateway:
+    # Per node: its own endpoint, whether the gateway routes to it, and its last SLA summary.
+    pulumi.export("nodes", {n: {"endpoint": svc.endpoint, "slaSummary": svc.sla.summary if svc.sla else None,
+                                "inRotation": fleet.enables[n].appliedDigest.apply(bool) if n in fleet.enables else None}
+                            for n, svc in fleet.nodes.items()})
+if fleet.fleet_sla is not None:
+    pulumi.export("fleetSlaReport", fleet.fleet_sla.summary)
 if node.monitoring is not None:
     pulumi.export("prometheusTunnel", node.monitoring.tunnel_command)
     pulumi.export("prometheusUrl", node.monitoring.url)

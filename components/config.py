@@ -207,6 +207,28 @@ class MonitoringConfig:
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """The fleet's one endpoint (components/gateway.py): nginx beside a node, in front of all of them."""
+
+    host: str = key(default="")
+    """The node whose host runs the gateway; empty: no gateway (each node is its own endpoint)."""
+    https_port: int = key(check=PORT, default=443)
+    http_port: int = key(check=PORT, default=80)
+    max_fails: int = key(check=_range(1, 100), default=2)
+    """Failed attempts within failTimeoutS after which a node gets no requests for failTimeoutS."""
+    fail_timeout_s: int = key(check=_range(1, 3600), default=10)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How a change rolls over the nodes behind the gateway: the first node alone, then waves."""
+
+    max_unavailable: int = key(check=_range(1, 1000), default=1)
+    drain_timeout_s: int = key(check=_range(1, 3600), default=60)
+    """Longest wait for a drained node's streams to finish before its engine restarts."""
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     sysctl: dict = key(default=None)
     """Overrides of the tuned sysctl values (components/kernel.py), by sysctl name."""
@@ -235,6 +257,8 @@ class StackConfig:
     sla: SlaConfig
     kernel: KernelConfig
     monitoring: MonitoringConfig
+    gateway: GatewayConfig
+    rollout: RolloutConfig
     secrets: Secrets
     model_spec: models.ModelSpec
     memory: sizing.MemoryPlan
@@ -267,7 +291,7 @@ class NodeConfig:
 SECTIONS = {
     "host": HostConfig, "model": ModelConfig, "engine": EngineConfig, "runtime": RuntimeConfig,
     "ingress": IngressConfig, "monitor": MonitorConfig, "sla": SlaConfig, "kernel": KernelConfig,
-    "monitoring": MonitoringConfig,
+    "monitoring": MonitoringConfig, "gateway": GatewayConfig, "rollout": RolloutConfig,
 }
 TOP_LEVEL = ("tier", *SECTIONS, "nodes", *SECRET_KEYS)
 PY_TYPES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a map"}
@@ -378,6 +402,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     nodes = {name: _parse_node(name, entry, "nodes" in raw, raw.get("host"), defaults["host"], tier, model_spec,
                                sec, secrets, problems) for name, entry in node_entries.items()}
     nodes_config.check_distinct({n: c.host for n, c in nodes.items()}, problems)
+    nodes_config.check_gateway(sec["gateway"], ingress, {n: c.host for n, c in nodes.items()}, problems)
     problems[:] = nodes_config.unique(problems)
     first = next(iter(nodes.values()))
     checks.check_runtime(runtime, tier, problems)

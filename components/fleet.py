@@ -1,8 +1,14 @@
 """Fleet: the hosts (HostBase, once each) and the nodes on them, rolled out one after another.
 
-A node starts changing only after the previous node has passed its SLA check, so a bad
-change stops at the first node instead of taking the whole fleet down. A host's base waits
-for the same gate, as a kernel or package change there touches every node it serves.
+Without a gateway, a node starts changing only after the previous node has passed its SLA
+check, so a bad change stops at the first node instead of taking the whole fleet down. A
+host's base waits for the same gate, as a kernel or package change there touches every node
+it serves.
+
+With a gateway (components/gateway.py) the nodes roll in waves: the first node (the canary)
+alone, then `rollout.maxUnavailable` at a time. A node whose engine or host changes is drained
+at the gateway first, checked directly, then enabled; the next wave waits for the enables.
+The gateway's host is set up first and is not gated, since every drain runs there.
 """
 
 from __future__ import annotations
@@ -11,9 +17,13 @@ from dataclasses import dataclass
 
 import pulumi
 
-from components import hostbase, node
+from components import gateway as gateway_shape
+from components import hostbase, keys, node, templates
+from components.gateway import GatewayArgs
 from components.hostbase import HostBase, HostBaseArgs
+from components.ingress import NginxIngress
 from components.node import NodeArgs, NodeService
+from components.sla.provider import FimSlaCheck
 
 
 @dataclass(frozen=True)
@@ -21,14 +31,18 @@ class FleetArgs:
     hosts: dict[str, HostBaseArgs]
     nodes: dict[str, NodeArgs]
     """In rollout order; each names its host in `hosts`."""
+    gateway: GatewayArgs | None = None
 
 
 def args_for(cfg) -> FleetArgs:
     """Each node of fimfleet:nodes on a host of its own, of the same name (the single-node
     shorthand is the node `node`), in the stack's order: the first is the canary."""
     views = {name: cfg.for_node(name) for name in cfg.node_names()}
-    return FleetArgs(hosts={name: hostbase.args_for(view) for name, view in views.items()},
-                     nodes={name: node.args_for(view, name, host=name) for name, view in views.items()})
+    gw = gateway_shape.args_for(cfg)
+    nodes = {name: node.args_for(view, name, host=name) for name, view in views.items()}
+    if gw:  # behind the gateway, each node's certificate also carries the name the gateway verifies
+        nodes = {name: node.behind_gateway(a) for name, a in nodes.items()}
+    return FleetArgs(hosts={name: hostbase.args_for(view) for name, view in views.items()}, nodes=nodes, gateway=gw)
 
 
 class Fleet(pulumi.ComponentResource):
@@ -39,15 +53,70 @@ class Fleet(pulumi.ComponentResource):
             raise ValueError(f"nodes name hosts that the fleet does not have: {unknown}")
         self.hosts: dict[str, HostBase] = {}
         self.nodes: dict[str, NodeService] = {}
+        self.gateway = self.fleet_sla = None
+        self.drains: dict = {}
+        self.enables: dict = {}
+        if args.gateway is None:
+            self._chain(args)
+        else:
+            self._waves(args, args.gateway)
+        self.endpoints = {n: svc.endpoint for n, svc in self.nodes.items()}
+        self.endpoint = self.gateway.endpoint if self.gateway else next(iter(self.endpoints.values()))
+        self.ca_pem = self.gateway.ca_pem if self.gateway else next(iter(self.nodes.values())).ingress.ca_pem
+        self.register_outputs({"endpoints": self.endpoints})
+
+    def _host(self, name: str, args: FleetArgs, gate: list) -> HostBase:
+        if name not in self.hosts:
+            # The one-node layout kept the host under the node of the same name.
+            moved = hostbase.legacy_parent(name, self) if name in args.nodes else None
+            self.hosts[name] = HostBase(name, args.hosts[name], moved_from=moved,
+                                        opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+        return self.hosts[name]
+
+    def _chain(self, args: FleetArgs) -> None:
         previous = None
         for node_name, node_args in args.nodes.items():
             gate = [previous.sla or previous] if previous else []
-            if node_args.host not in self.hosts:
-                # The one-node layout kept the host under the node of the same name.
-                moved = hostbase.legacy_parent(node_args.host, self) if node_args.host in args.nodes else None
-                self.hosts[node_args.host] = HostBase(node_args.host, args.hosts[node_args.host], moved_from=moved,
-                                                      opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+            base = self._host(node_args.host, args, gate)
             self.nodes[node_name] = previous = NodeService(
-                node_name, node_args, self.hosts[node_args.host], opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
-        self.endpoints = {n: svc.endpoint for n, svc in self.nodes.items()}
-        self.register_outputs({"endpoints": self.endpoints})
+                node_name, node_args, base, opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+
+    def _waves(self, args: FleetArgs, gw: GatewayArgs) -> None:
+        gw_base = self._host(gw.host, args, [])
+        fleet_key = keys.ProbeKey("fleet-probe-key", opts=pulumi.ResourceOptions(parent=self))
+        probe_key = pulumi.Output.secret(fleet_key.key)
+        gate: list = []
+        for wave in gateway_shape.waves(list(args.nodes), gw.max_unavailable):
+            enables = []
+            for node_name in wave:
+                node_args = args.nodes[node_name]
+                host_args = args.hosts[node_args.host]
+                base = self._host(node_args.host, args, gate)
+                trigger = gateway_shape.rollout_digest(node_args.runtime, host_args.kernel, host_args.host.packages)
+                drain = gateway_shape.member_step(node_name, False, gw, gw_base.connection, gw_base.nginx_settings,
+                                                  trigger, self, after=gate)
+                svc = NodeService(node_name, node_args, base, gate=[drain],
+                                  extra_keys={keys.FLEET_PROBE_KEY_NAME: probe_key},
+                                  opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+                # Back into rotation once the node's own SLA check passed (its monitor, with the gate off).
+                enable_step = gateway_shape.member_step(node_name, True, gw, gw_base.connection,
+                                                        gw_base.nginx_settings, trigger, self,
+                                                        after=[svc.sla or svc.monitor.step])
+                self.nodes[node_name], self.drains[node_name], self.enables[node_name] = svc, drain, enable_step
+                enables.append(enable_step)
+            gate = enables
+        cas = pulumi.Output.all(*[svc.ingress.ca_pem for svc in self.nodes.values()]).apply(gateway_shape.ca_bundle)
+        self.gateway = NginxIngress(f"{gateway_shape.GATEWAY}-ingress", gw.ingress, host=gw_base.facts,
+                                    connection=gw_base.connection, nginx=gw_base.nginx_settings,
+                                    extra_keys={keys.FLEET_PROBE_KEY_NAME: probe_key}, upstream_ca_pem=cas,
+                                    opts=pulumi.ResourceOptions(parent=self, depends_on=[gw_base.nginx]))
+        first = next(iter(args.nodes.values()))
+        if first.sla:
+            s = first.sla
+            triggers = pulumi.Output.all(*[svc.trigger for svc in self.nodes.values()])
+            self.fleet_sla = FimSlaCheck(
+                "fleet-sla", endpoint=self.gateway.endpoint, api_key=probe_key, ca_pem=self.gateway.ca_pem,
+                model=first.model, thresholds=s.thresholds, samples=s.samples * len(args.nodes), warmup=s.warmup,
+                concurrency=s.concurrency * len(args.nodes), max_tokens=s.max_tokens,
+                trigger=triggers.apply(lambda t: templates.digest(self.gateway.digest, *t)),
+                ceiling=None, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.gateway.step, *gate]))

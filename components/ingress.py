@@ -13,9 +13,10 @@ from typing import Mapping
 
 import pulumi
 
-from components import grammar, templates
+from components import gateway_render, grammar, templates
 from components.config import IngressConfig
 from components.host import HostFacts
+from components.gateway_render import FLEET_TLS_NAME, FleetUpstream
 from components.ingress_render import IngressSpec, body_size_for, metrics_cidrs, site_files
 from components.nginx_base import LEGACY_FILES, STAGED_ROOT, STATE_DIR, NginxBase
 from components.remote import RemoteStep
@@ -49,6 +50,10 @@ class IngressArgs:
     api_keys: Mapping[str, str] = field(default_factory=dict)
     tls_cert: str | None = None
     tls_key: str | None = None
+    fleet: FleetUpstream | None = None
+    """The gateway's site: proxy to these nodes' ingresses (components/gateway.py)."""
+    fleet_member: bool = False
+    """A node behind the gateway: its certificate also names FLEET_TLS_NAME, which the gateway verifies."""
 
 
 def args_for(cfg, node: str = "node") -> IngressArgs:
@@ -77,7 +82,7 @@ def spec_for(args: IngressArgs, server_name: str, cert_path: str, key_path: str,
         rate_per_second=i.rate_per_second, burst=i.burst,
         metrics_allow_cidrs=metrics_cidrs(i.metrics_allow_cidrs, args.monitoring),
         read_timeout_s=i.read_timeout_s, max_conns_per_address=i.max_conns_per_address,
-        client_max_body_size=i.client_max_body_size or body_size_for(args.max_model_len),
+        client_max_body_size=i.client_max_body_size or body_size_for(args.max_model_len), fleet=args.fleet,
     )
 
 
@@ -95,13 +100,18 @@ def staged_dir(node: str) -> str:
 
 
 def render_files(args: IngressArgs, server_name: str, cert_pem: str, key_pem: str,
-                 extra_keys: dict | None = None, nginx: NginxBase = NginxBase()) -> tuple[list[dict], list[dict]]:
-    """Files to stage (uploaded) and where apply installs them; extra_keys are fimfleet's own (the probe's)."""
+                 extra_keys: dict | None = None, nginx: NginxBase = NginxBase(),
+                 upstream_ca_pem: str = "") -> tuple[list[dict], list[dict]]:
+    """Files to stage (uploaded) and where apply installs them; extra_keys are fimfleet's own (the
+    probes'). The gateway also installs its servers generator and the nodes' CAs it trusts."""
     cert_path, key_path = tls_paths(args.settings, args.node)
     spec = spec_for(args, server_name, cert_path, key_path, extra_keys, nginx)
     rendered = [(f.path, f"{f.mode:04o}", f.content) for f in site_files(spec)]
     if args.settings.tls != "acme":
         rendered += [(cert_path, "0644", cert_pem), (key_path, "0600", key_pem)]
+    if args.fleet:
+        rendered += [(args.fleet.ca_path, "0644", upstream_ca_pem),
+                     (args.fleet.paths.generator, "0755", gateway_render.servers_script(args.fleet))]
     staged, installs = [], []
     for dest, mode, content in rendered:
         name = dest.rsplit("/", 1)[-1]
@@ -121,6 +131,9 @@ def step_scripts(args: IngressArgs, installs: list[dict], server_name: str = "lo
               prev_dir=f"{STATE_DIR}/{args.node}-prev", legacy=LEGACY_FILES, files=installs, server_name=server_name,
               https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
               tls_cert=tls_paths(i, args.node)[0], renew_days=RENEW_BEFORE_DAYS, renew_hint=RENEW_HINTS[i.tls])
+    if args.fleet:  # the gateway writes its servers file from the rotation's markers before nginx -t
+        kw.update(generator=args.fleet.paths.generator, generator_lock=args.fleet.paths.lock,
+                  gateway_state=args.fleet.paths.state_dir, gateway_servers=args.fleet.paths.servers)
     check = {drift: templates.render("ingress/check.sh.j2", expiry_is_drift=drift, **kw) for drift in (True, False)}
     return {"apply": templates.render("ingress/apply.sh.j2", check=check[False], **kw), "check": check[True],
             "destroy": templates.render("ingress/destroy.sh.j2", **kw)}
@@ -131,7 +144,7 @@ class NginxIngress(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: IngressArgs, host: HostFacts, connection: pulumi.Input[dict],
                  nginx: NginxBase, extra_keys: dict[str, pulumi.Input[str]] | None = None,
-                 opts: pulumi.ResourceOptions | None = None):
+                 upstream_ca_pem: pulumi.Input[str] = "", opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:ingress:NginxIngress", name, None, opts)
         extra_keys = extra_keys or {}
         child = pulumi.ResourceOptions(parent=self)
@@ -143,7 +156,8 @@ class NginxIngress(pulumi.ComponentResource):
 
         if i.tls == "self-signed":
             ips = [a for a in {host.configured_address, "127.0.0.1"} if a and grammar.ip(a)]
-            dns = sorted({n for n in (i.domain, host.configured_address, "localhost") if n and not grammar.ip(n)})
+            fleet_name = FLEET_TLS_NAME if args.fleet_member else ""
+            dns = sorted({n for n in (i.domain, host.configured_address, "localhost", fleet_name) if n and not grammar.ip(n)})
             cert = SelfSignedCertificate(f"{name}-cert", common_name=i.domain or host.configured_address or "localhost",
                                          dns_names=dns, ip_addresses=(host.address.apply(lambda a: sorted({a, *ips}))
                                                                       if host.provisioned else sorted(ips)),
@@ -158,8 +172,8 @@ class NginxIngress(pulumi.ComponentResource):
             self.ca_pem = pulumi.Output.from_input("")
 
         server_name = i.domain or (host.configured_address if host.kind == "ssh" else "localhost")
-        rendered = pulumi.Output.all(cert_pem, key_pem, pulumi.Output.all(**extra_keys)).apply(
-            lambda a: render_files(args, server_name, a[0], a[1], a[2], nginx))
+        rendered = pulumi.Output.all(cert_pem, key_pem, pulumi.Output.all(**extra_keys), upstream_ca_pem).apply(
+            lambda a: render_files(args, server_name, a[0], a[1], a[2], nginx, a[3]))
         staged = pulumi.Output.secret(rendered.apply(lambda r: r[0]))
         # Install paths, modes and the digest do not depend on the PEMs: render once with placeholders.
         placeholder_keys = {n: f"placeholder{i:04d}".ljust(32, "0") for i, n in enumerate(sorted(extra_keys))}

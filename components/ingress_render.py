@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from components import grammar, nginx_base
+from components.gateway_render import FLEET_TLS_NAME, FleetUpstream
 from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, check_int, check_path, int_problem
 
 _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
@@ -136,6 +137,8 @@ class IngressSpec:
     """The host's nginx the site is installed into (its paths, and the workers tests start)."""
     hsts_max_age_s: int = 63072000
     """Strict-Transport-Security max-age (2 years); 0 disables the header."""
+    fleet: Optional[FleetUpstream] = None
+    """Set for the fleet gateway: proxy to these nodes' ingresses over TLS instead of a local vLLM."""
     stream_buffering: bool = False
     """Keep False. True turns proxy_buffering ON for /v1/; it exists only so the
     integration test can prove its latency measurement detects buffering."""
@@ -243,6 +246,8 @@ def validate_spec(spec: IngressSpec) -> None:
             _fail("metrics_allow_cidrs", cidr, fix)
     if fix := _size_problem(spec.client_max_body_size):
         _fail("client_max_body_size", spec.client_max_body_size, fix)
+    if spec.fleet is not None and not isinstance(spec.fleet, FleetUpstream):
+        _fail("fleet", spec.fleet, "give the gateway's nodes as a FleetUpstream, or None for a node's own site")
     if not isinstance(spec.stream_buffering, bool):
         _fail("stream_buffering", spec.stream_buffering, "use False (True is a test-only negative control)")
 
@@ -297,6 +302,8 @@ def _context(spec: IngressSpec) -> dict:
         "https_required": _https_required_body(f"https://{spec.server_name}{https_suffix}/v1/"),
         "https_required_status": HTTPS_REQUIRED_STATUS,
         "ecdh_curves": SSL_ECDH_CURVES,
+        "fleet": spec.fleet,
+        "fleet_tls_name": FLEET_TLS_NAME,
     }
 
 

@@ -112,6 +112,12 @@ def render(args: KernelArgs) -> RenderedKernel:
     )
 
 
+def digest_of(args: KernelArgs) -> str:
+    """The tuning as deployed: a change is measured again by the SLA gate, and rolled."""
+    r = render(args)
+    return templates.digest(r.files, r.apply)
+
+
 class KernelTuning(pulumi.ComponentResource):
     """Applies the tier's kernel settings over SSH, then reads them back; see module docstring."""
 
@@ -119,7 +125,7 @@ class KernelTuning(pulumi.ComponentResource):
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:kernel:KernelTuning", name, None, opts)
         r = render(args)
-        self.digest = templates.digest(r.files, r.apply)
+        self.digest = digest_of(args)
         self.step = RemoteStep(f"{name}-apply", label="kernel tuning", connection=connection,
                                files=r.files, apply=r.apply, check=r.check, destroy=r.destroy,
                                opts=pulumi.ResourceOptions(parent=self))

@@ -18,6 +18,8 @@ from pulumi.dynamic import CreateResult, DiffResult, Resource, ResourceProvider
 
 PROBE_KEY_NAME = "fimfleet_probe"
 """The ingress key name of the probe key; its per-key rate limit is its own."""
+FLEET_PROBE_KEY_NAME = "fimfleet_fleet_probe"
+"""The fleet's SLA gate through the gateway: every node's ingress accepts it too."""
 RESERVED_PREFIX = "fimfleet_"
 
 

@@ -107,10 +107,31 @@ def args_for(cfg: StackConfig, name: str, host: str) -> NodeArgs:
                     memory=cfg.memory)
 
 
+def behind_gateway(args: NodeArgs) -> NodeArgs:
+    """The node as a gateway member: its certificate also names the fleet's TLS name."""
+    return dataclasses.replace(args, ingress=dataclasses.replace(args.ingress, fleet_member=True))
+
+
+def editor_outputs(ed: editors.EditorArgs, endpoint: pulumi.Output, ca_pem: pulumi.Output,
+                   api_keys: dict[str, str]) -> dict:
+    """One set of editor outputs per user key, each holding only that user's key (all secret)."""
+    return {
+        key_name: {
+            "continueYaml": pulumi.Output.secret(pulumi.Output.all(endpoint, user_key, ca_pem).apply(
+                lambda a: editors.continue_yaml(ed, a[0], a[1], a[2]))),
+            "cursorNotes": pulumi.Output.secret(endpoint.apply(lambda e: editors.cursor_notes(ed, e))),
+        }
+        for key_name, user_key in sorted(api_keys.items())
+    }
+
+
 class NodeService(pulumi.ComponentResource):
     """A TLS-protected, monitored and SLA-checked vLLM node on a prepared host (`base`)."""
 
-    def __init__(self, name: str, args: NodeArgs, base: HostBase, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: NodeArgs, base: HostBase, gate: list | None = None,
+                 extra_keys: dict[str, pulumi.Input[str]] | None = None, opts: pulumi.ResourceOptions | None = None):
+        """`gate`: what the engine (re)start waits for besides the host (the fleet's drain of this
+        node); `extra_keys`: keys the ingress accepts besides the users' (the fleet's probe)."""
         # Before HostBase, this component was the InferenceNode that also held the host.
         opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(aliases=[pulumi.Alias(type_=LEGACY_NODE_TYPE)]))
         super().__init__("fimfleet:node:NodeService", name, None, opts)
@@ -121,12 +142,13 @@ class NodeService(pulumi.ComponentResource):
         # What does not depend on each other overlaps: nginx with the engine start. The engine waits
         # for the tuned kernel; the node's nginx site only for the host's nginx. The monitor needs both the unit and
         # the ingress; the SLA gate, everything.
-        self.runtime = VllmRuntime(f"{name}-runtime", args.runtime, connection=conn, opts=child(base.host, base.kernel))
+        self.runtime = VllmRuntime(f"{name}-runtime", args.runtime, connection=conn,
+                                   opts=child(base.host, base.kernel, *(gate or [])))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
         self.probe_key = keys.ProbeKey(f"{name}-probe-key", rotate=args.probe_key_rotation, opts=child())
         probe_key = pulumi.Output.secret(self.probe_key.key)
         self.ingress = NginxIngress(f"{name}-ingress", args.ingress, host=base.facts, connection=conn,
-                                    nginx=base.nginx_settings, extra_keys={keys.PROBE_KEY_NAME: probe_key},
+                                    nginx=base.nginx_settings, extra_keys={keys.PROBE_KEY_NAME: probe_key, **(extra_keys or {})},
                                     opts=child(base.nginx))
         self.monitor = Monitor(f"{name}-monitor", args.monitor, unit=self.runtime.unit, connection=conn,
                                probe_key=probe_key, ca_pem=self.ingress.ca_pem, service_user=self.runtime.service_user,
@@ -135,7 +157,7 @@ class NodeService(pulumi.ComponentResource):
         # The host identity is part of it: a rebuilt or replaced host is measured again, so the
         # report in the outputs always belongs to the host that serves now.
         deployed = templates.digest(base.kernel.digest, base.nginx_digest, self.runtime.digest, self.ingress.digest)
-        trigger = base.identity.apply(lambda ident: templates.digest(deployed, ident))
+        self.trigger = trigger = base.identity.apply(lambda ident: templates.digest(deployed, ident))
         self.sla = None
         if args.sla:
             s = args.sla
@@ -154,17 +176,9 @@ class NodeService(pulumi.ComponentResource):
                 sla_reports={name: self.sla.report} if self.sla else None,
                 ca_pems={name: self.ingress.ca_pem} if args.ingress.settings.tls != "acme" else None,
                 opts=child(self.sla or self.monitor))
+        self.args = args
         self.model = args.model
         self.kv_cache = self.runtime.kv_cache_tokens.apply(lambda v: sizing.kv_capacity_report(args.memory, v))
-        ed = args.editors
-        # One set of editor outputs per user key, each holding only that user's key.
-        self.editor_configs = {
-            key_name: {
-                "continueYaml": pulumi.Output.secret(pulumi.Output.all(self.endpoint, user_key, self.ingress.ca_pem).apply(
-                    lambda a: editors.continue_yaml(ed, a[0], a[1], a[2]))),
-                "cursorNotes": pulumi.Output.secret(self.endpoint.apply(lambda e: editors.cursor_notes(ed, e))),
-            }
-            for key_name, user_key in sorted(args.api_keys.items())
-        }
-        self.curl = self.endpoint.apply(lambda e: editors.curl_smoke_test(ed, e))
+        self.editor_configs = editor_outputs(args.editors, self.endpoint, self.ingress.ca_pem, args.api_keys)
+        self.curl = self.endpoint.apply(lambda e: editors.curl_smoke_test(args.editors, e))
         self.register_outputs({"endpoint": self.endpoint, "model": args.model})

@@ -109,3 +109,28 @@ def check_distinct(hosts: dict, problems: list[Problem]) -> None:
     if len(hosts) > 1 and zoned:
         problems.append(Problem("host.dnsZone", hosts[zoned[0]].dns_zone, "would point ingress.domain at every node "
                                 "of the fleet: leave it unset with several nodes and point the name at the gateway"))
+
+
+def check_gateway(gw, ingress, hosts: dict, problems: list[Problem]) -> None:
+    """The gateway runs beside a node and connects to every node's ingress by its address."""
+    if gw.host is None or not gw.host:
+        return
+    if gw.host not in hosts:
+        problems.append(Problem("gateway.host", gw.host, f"must name a node of fimfleet:nodes, where the gateway "
+                                f"runs beside it: one of {', '.join(hosts)}"))
+        return
+    if None in (gw.https_port, gw.http_port, ingress.https_port, ingress.http_port):
+        return  # already reported
+    if gw.https_port == gw.http_port:
+        problems.append(Problem("gateway.httpPort", gw.http_port, "must differ from gateway.httpsPort; e.g. 80"))
+    for mine, theirs in (("httpsPort", "https_port"), ("httpPort", "http_port")):
+        for other in ("https_port", "http_port"):
+            if getattr(gw, theirs) == getattr(ingress, other):
+                camel_other = "httpsPort" if other == "https_port" else "httpPort"
+                problems.append(Problem(f"ingress.{camel_other}", getattr(ingress, other),
+                                        f"is also gateway.{mine} on node {gw.host}'s host: give the nodes' ingress "
+                                        f"other ports, e.g. ingress.httpsPort: 8443 and ingress.httpPort: 8080"))
+    for name, h in hosts.items():
+        if h.kind != "ssh" or not h.address:
+            problems.append(Problem(f"nodes.{name}.address", h.address or "", "the gateway connects to each node at "
+                                    "its address: set it (cloud and test-VM nodes behind a gateway: not supported yet)"))

@@ -185,6 +185,12 @@ def reported(stdout: str | None, key: str) -> float | None:
     return None
 
 
+def digest_of(args: RuntimeArgs) -> str:
+    """What (re)starts the engine: its unit files, the model and the vLLM version. The SLA gate
+    and the fleet's roll (components/gateway.py) both key on it."""
+    return templates.digest(args.service_files, [args.model_upload] if args.model_upload else None, args.vllm_version)
+
+
 class VllmRuntime(pulumi.ComponentResource):
     """Install (venv or image), model, unit, start-and-wait; see module docstring."""
 
@@ -225,7 +231,7 @@ class VllmRuntime(pulumi.ComponentResource):
             before_start.append(bandwidth)
 
         files = args.service_files
-        self.digest = templates.digest(files, uploads, args.vllm_version)
+        self.digest = digest_of(args)
         self.service = RemoteStep(
             f"{name}-service", label="vLLM service", connection=connection, files=files,
             apply=sh["start"], check=sh["check"], destroy=sh["destroy"],

@@ -135,6 +135,22 @@ def test_preview_every_stack(stack, tmp_path):
     assert API_KEY not in out and "PRIVATE KEY" not in out
 
 
+def test_preview_of_a_three_node_fleet_lists_the_gateway_the_nodes_and_the_rollout_gates(tmp_path):
+    """The README's growing-a-stack example, on the headline tier (documentation-range addresses)."""
+    extra = {f"fimfleet:nodes.epyc{i}.address": f"203.0.113.{10 + i}" for i in (1, 2, 3)}
+    extra.update({"fimfleet:gateway.host": "epyc1", "fimfleet:ingress.httpsPort": "8443",
+                  "fimfleet:ingress.httpPort": "8080"})
+    cfg = stack_copy("cpu-epyc-prod", tmp_path, extra)
+    pulumi("config", "rm", "--path", "fimfleet:nodes.node", "--config-file", str(cfg), "-s", "cpu-epyc-prod")
+    out = pulumi("preview", "-s", "cpu-epyc-prod", "--config-file", str(cfg), "--non-interactive",
+                 "--policy-pack", "policy/").stdout
+    for name in ("gateway-ingress-nginx", "fleet-probe-key", "fleet-sla",
+                 *[f"epyc{i}-{part}" for i in (1, 2, 3) for part in ("drain", "enable", "runtime-service", "sla")]):
+        assert re.search(rf"\b{name}\b", out), f"{name} missing from the fleet's preview:\n{out[-4000:]}"
+    assert "mandatory" not in out, out[-3000:]
+    assert API_KEY not in out and "PRIVATE KEY" not in out
+
+
 def test_preview_rejects_bad_config_before_any_resource(tmp_path):
     cfg = stack_copy("cpu-epyc-prod", tmp_path, {"fimfleet:engine.kvCacheGiB": "200", "fimfleet:monitor.intervalS": "1"})
     proc = pulumi("preview", "-s", "cpu-epyc-prod", "--config-file", str(cfg), "--non-interactive", check=False)

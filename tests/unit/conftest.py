@@ -34,7 +34,7 @@ class Mocks(pulumi.runtime.Mocks):
         if args.name.endswith("-cert"):
             outs.update(caPem="CA", certPem="CERT", keyPem="KEY")
         if args.name.endswith("-probe-key"):  # components/keys.py: the provider's create does not run under mocks
-            outs.update(key="mock-probe-key-0123456789abcdefghijklmnop")
+            outs.update(key=f"mock-{args.name}-0123456789abcdefghijklmnop")  # one key per resource, as made
         return f"{args.name}-id", outs
 
     def call(self, args: pulumi.runtime.MockCallArgs):

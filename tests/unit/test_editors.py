@@ -226,7 +226,7 @@ def test_each_user_key_gets_its_own_secret_editor_outputs(recorder):
 @pulumi.runtime.test
 def test_monitor_and_sla_use_the_probe_key_and_the_ingress_accepts_it(recorder):
     node = build_node({"alice": API_KEY, "bob": API_KEY[::-1]})
-    probe = "mock-probe-key-0123456789abcdefghijklmnop"  # tests/unit/conftest.py: the mocked ProbeKey output
+    probe = "mock-node-probe-key-0123456789abcdefghijklmnop"  # tests/unit/conftest.py: the mocked ProbeKey output
 
     def check(_):
         regs = registered(recorder)

@@ -1,0 +1,83 @@
+"""Gateway: the fleet's one endpoint, an nginx site beside one node, in front of every node.
+
+It terminates TLS for the fleet, checks the named keys and rate limits as a node does, and
+proxies to each node's ingress over TLS verified against the nodes' own CAs, keeping each key
+on one node (components/gateway_render.py). A rolling update drains a node at the gateway
+before its engine changes, checks the node's SLA directly, and only then enables it again
+(`member_steps`); components/fleet.py orders the nodes into waves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pulumi
+
+from components import ingress, kernel, runtime, templates
+from components.gateway_render import GATEWAY, FleetUpstream, GatewayPaths, Member, member_check, member_script
+from components.nginx_base import NginxBase
+from components.remote import RemoteStep
+
+SERVERS_FILE = "gateway.servers"
+"""In the host's fimfleet.d/, beside the sites; not *.conf, so only the gateway's upstream includes it."""
+
+
+@dataclass(frozen=True)
+class GatewayArgs:
+    host: str
+    """The node whose host runs the gateway."""
+    ingress: ingress.IngressArgs
+    """The gateway's site: node name GATEWAY, the gateway's ports, the FleetUpstream."""
+    max_unavailable: int = 1
+    drain_timeout_s: int = 60
+
+
+def waves(nodes: list[str], max_unavailable: int) -> list[list[str]]:
+    """The canary alone, then the others `max_unavailable` at a time, in the stack's order."""
+    head, rest = nodes[:1], nodes[1:]
+    return [head] + [rest[i:i + max_unavailable] for i in range(0, len(rest), max_unavailable)] if head else []
+
+
+def rollout_digest(runtime_args: runtime.RuntimeArgs, kernel_args: kernel.KernelArgs, packages: tuple) -> str:
+    """What restarts a node's engine or retunes its host; only a change here drains the node.
+    A new site or key reloads nginx gracefully and never drops a stream, so it is not drained."""
+    return templates.digest(runtime.digest_of(runtime_args), kernel.digest_of(kernel_args), list(packages))
+
+
+def args_for(cfg, nginx: NginxBase = NginxBase()) -> GatewayArgs | None:
+    """The gateway of a validated StackConfig, or None when fimfleet:gateway.host is unset."""
+    gw = cfg.gateway
+    if not gw.host:
+        return None
+    members = tuple(Member(name, "127.0.0.1" if name == gw.host else n.host.address, cfg.ingress.https_port)
+                    for name, n in cfg.nodes.items())
+    fleet = FleetUpstream(members=members, paths=GatewayPaths(servers=f"{nginx.sites_dir}/{SERVERS_FILE}"),
+                          ca_path=f"{ingress.TLS_ROOT}/{GATEWAY}/nodes-ca.pem", max_fails=gw.max_fails,
+                          fail_timeout_s=gw.fail_timeout_s, tries=min(2, len(members)))
+    settings = dataclasses.replace(cfg.ingress, https_port=gw.https_port, http_port=gw.http_port)
+    site = dataclasses.replace(ingress.args_for(cfg.for_node(gw.host), GATEWAY), settings=settings, fleet=fleet,
+                               monitoring=False)
+    return GatewayArgs(host=gw.host, ingress=site, max_unavailable=cfg.rollout.max_unavailable,
+                       drain_timeout_s=cfg.rollout.drain_timeout_s)
+
+
+def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.Input[dict], nginx: NginxBase,
+                trigger: str, parent: pulumi.Resource, after: list) -> RemoteStep:
+    """Node `node`'s drain (before its engine changes) or enable (after its SLA check) on the
+    gateway host. Both run only when `trigger` changes, so an unchanged node is never drained,
+    and a node whose check failed stays drained until a later `up` passes it."""
+    paths = args.ingress.fleet.paths
+    action = "enable" if enabled else "drain"
+    return RemoteStep(
+        f"{node}-{action}", label=f"gateway: {action} {node}", connection=connection, triggers=[trigger],
+        apply=member_script(node, enabled, nginx.main_path, paths, args.drain_timeout_s),
+        check=member_check(node, paths) if enabled else None,
+        # a node that leaves the fleet leaves the rotation first
+        destroy=member_script(node, False, nginx.main_path, paths, 1) if enabled else None,
+        timeout_s=args.drain_timeout_s + 120, opts=pulumi.ResourceOptions(parent=parent, depends_on=after))
+
+
+def ca_bundle(pems: list[str]) -> str:
+    """The nodes' CAs the gateway trusts upstream, one after another."""
+    return "".join(p if p.endswith("\n") else p + "\n" for p in pems if p)

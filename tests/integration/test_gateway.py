@@ -1,0 +1,222 @@
+"""The fleet gateway on real nginx: two node ingresses (each its own nginx, certificate and SSE
+upstream) behind a gateway rendered by components/ingress_render.py with a FleetUpstream, its
+servers file written by the generator and its rotation changed by the real drain and enable
+scripts (components/gateway_render.py). Which node served a request is read from the nodes'
+own access logs, which log the key name.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from components import gateway_render
+from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
+from components.tls import issue
+from tests.integration.nginx_harness import SERVER_NAME, Nginx, Upstream, bearer, children_of, wait_for, write_tls
+from tests.integration.test_nginx_ingress import assert_streamed_unbuffered, stream_completion
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+USERS = [f"dev{i}" for i in range(8)]
+GATEWAY_RATE = 5
+"""Requests a second per key at the gateway, and its burst (the nodes allow 100)."""
+
+
+class Fleet:
+    """Nodes a and b, and the gateway in front of them, all on 127.0.0.1."""
+
+    def __init__(self, root: Path):
+        self.root, self.keys = root, {u: secrets.token_urlsafe(24) for u in USERS}
+        self.upstreams, self.nodes, self.cas = {}, {}, []
+        for name in ("a", "b"):
+            (root / name).mkdir()
+            tls = write_tls(root / name, issue(SERVER_NAME, [SERVER_NAME, FLEET_TLS_NAME], ["127.0.0.1"], days=1))
+            self.cas.append(tls.ca.read_text())
+            self.upstreams[name] = Upstream(root / name)
+            self.nodes[name] = Nginx(root / name / "nginx", tls, self.upstreams[name].port, node=name,
+                                     api_keys=self.keys, rate_per_second=100, burst=100).start()
+        gw_dir = root / "gateway"
+        gw_dir.mkdir()
+        (gw_dir / "nodes-ca.pem").write_text("".join(self.cas))
+        self.paths = GatewayPaths(servers=str(gw_dir / "gateway.servers"), state_dir=str(gw_dir / "state"))
+        self.upstream = FleetUpstream(
+            members=tuple(Member(n, "127.0.0.1", ngx.https_port) for n, ngx in self.nodes.items()),
+            paths=self.paths, ca_path=str(gw_dir / "nodes-ca.pem"), max_fails=1, fail_timeout_s=30)
+        # Nodes pass their SLA checks before the gateway's own step has run: markers only.
+        for name in self.nodes:
+            assert "gateway not installed yet" in self.member(name, enabled=True, reload=False)
+        # The gateway's step: install the generator and write the servers file from the markers.
+        generator = Path(self.paths.generator)
+        generator.write_text(gateway_render.servers_script(self.upstream))
+        generator.chmod(0o755)
+        subprocess.run([str(generator)], check=True, timeout=30)
+        gw_tls = write_tls(gw_dir, issue(SERVER_NAME, [SERVER_NAME], ["127.0.0.1"], days=1))
+        self.gateway_ca = gw_tls.ca
+        self.gateway = Nginx(gw_dir / "nginx", gw_tls, 1, node="gateway", api_keys=self.keys,
+                             rate_per_second=GATEWAY_RATE, burst=GATEWAY_RATE, fleet=self.upstream).start()
+        # The scripts call `systemctl reload nginx` and `nginx -t`: on this machine that nginx is the gateway's.
+        shim = root / "bin"
+        shim.mkdir()
+        (shim / "systemctl").write_text(f"#!/bin/sh\ncase \"$1\" in is-active) exit 0;; reload|restart) "
+                                        f"kill -HUP {self.gateway.proc.pid};; esac\n")
+        (shim / "systemctl").chmod(0o755)
+        self.env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+
+    def member(self, node: str, enabled: bool, reload: bool = True, drain_timeout_s: int = 30) -> str:
+        """Run the real drain or enable step against the gateway; waits for the new workers."""
+        main = self.gateway.spec.base.main_path if reload else "/nonexistent/nginx.conf"
+        script = gateway_render.member_script(node, enabled, main, self.paths, drain_timeout_s)
+        old = children_of(self.gateway.proc.pid) if reload else set()
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=60,
+                              env=getattr(self, "env", None))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if reload:
+            wait_for(lambda: (kids := children_of(self.gateway.proc.pid)) and not (kids & old), 15, "gateway reload")
+        return proc.stdout
+
+    def served_by(self) -> dict[str, list[str]]:
+        """Node -> key names it served, from the nodes' own access logs, once every request the
+        gateway has answered is there (a node logs a request after its last byte has left)."""
+        want = sum(1 for e in self.gateway.access_log() if e["uri"] == "/v1/completions" and e["status"] == 200)
+
+        def logged():
+            got = {n: [e["key"] for e in ngx.access_log() if e["uri"] == "/v1/completions"]
+                   for n, ngx in self.nodes.items()}
+            return got if sum(len(v) for v in got.values()) >= want else None
+
+        try:
+            return wait_for(logged, 5, "the nodes' access logs")
+        except TimeoutError:
+            return {n: [e["key"] for e in ngx.access_log() if e["uri"] == "/v1/completions"]
+                    for n, ngx in self.nodes.items()}
+
+    def complete(self, client: httpx.Client, user: str, **extra) -> httpx.Response:
+        body = {"model": "sse-test", "prompt": "<|fim_prefix|>x<|fim_suffix|>y<|fim_middle|>", "max_tokens": 2, **extra}
+        return client.post(self.gateway.url("/v1/completions"), json=body, headers=bearer(self.keys[user]))
+
+    def stop(self) -> None:
+        for ngx in [getattr(self, "gateway", None), *self.nodes.values()]:
+            if ngx is not None:
+                ngx.stop()
+        for up in self.upstreams.values():
+            up.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    f = Fleet(tmp_path)
+    yield f
+    f.stop()
+
+
+@pytest.fixture
+def client(fleet):
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(fleet.gateway_ca)), timeout=httpx.Timeout(10.0)) as c:
+        yield c
+
+
+def test_each_key_stays_on_one_node_and_the_keys_spread_over_both(fleet, client):
+    for _ in range(3):
+        for user in USERS:
+            assert fleet.complete(client, user).status_code == 200
+    served = fleet.served_by()
+    homes = {u: {n for n, names in served.items() if u in names} for u in USERS}
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert all(served[n] for n in fleet.nodes), f"one node got every key: {served}"
+    assert sum(len(v) for v in served.values()) == 3 * len(USERS)  # nothing was sent twice
+
+
+def test_a_drained_node_gets_nothing_and_its_keys_come_back_when_enabled(fleet, client):
+    for user in USERS:
+        fleet.complete(client, user)
+    home = {u: n for n, names in fleet.served_by().items() for u in names}
+    out = fleet.member("a", enabled=False)
+    assert "node a is drained" in out, out
+    assert "down;" in Path(fleet.paths.servers).read_text()
+    before = len(fleet.served_by()["a"])
+    for user in USERS:
+        assert fleet.complete(client, user).status_code == 200
+    assert len(fleet.served_by()["a"]) == before, "a drained node was sent requests"
+    fleet.member("a", enabled=True)
+    start = {n: len(v) for n, v in fleet.served_by().items()}
+    for user in USERS:
+        fleet.complete(client, user)
+    after = {n: v[start[n]:] for n, v in fleet.served_by().items()}
+    assert {u: n for n, names in after.items() for u in names} == home  # consistent hashing: the same homes
+
+
+def test_a_node_that_refuses_before_the_first_byte_is_retried_on_the_other(fleet, client):
+    for user in USERS:
+        fleet.complete(client, user)
+    a_users = set(fleet.served_by()["a"])
+    fleet.nodes["a"].stop()
+    for user in USERS:
+        r = fleet.complete(client, user)
+        assert r.status_code == 200, (user, r.status_code, r.text)
+    log = fleet.gateway.access_log()
+    retried = [e for e in log if e["key"] in a_users and "," in e["upstream_status"]]
+    assert retried, f"no request went to a second node: {[e['upstream_status'] for e in log]}"
+    assert set(fleet.served_by()["b"]) >= a_users
+
+
+def test_a_started_stream_is_never_replayed_on_another_node(fleet, client):
+    for user in USERS:
+        fleet.complete(client, user)
+    user = fleet.served_by()["a"][0]
+    b_before = len(fleet.served_by()["b"])
+    body = {"model": "sse-test", "prompt": "p", "max_tokens": 20, "stream": True, "x_delay_ms": 200}
+    got = []
+    with pytest.raises(httpx.HTTPError):
+        with client.stream("POST", fleet.gateway.url("/v1/completions"), json=body,
+                           headers=bearer(fleet.keys[user])) as resp:
+            assert resp.status_code == 200
+            for raw in resp.iter_raw():
+                got.append(raw)
+                if len(got) == 2:  # the stream has started: kill node a's nginx outright
+                    ngx = fleet.nodes["a"]
+                    for pid in children_of(ngx.proc.pid) | {ngx.proc.pid}:
+                        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    assert len(fleet.served_by()["b"]) == b_before, "a started stream was sent to node b"
+
+
+def test_streams_through_the_gateway_are_unbuffered(fleet, client):
+    url, user = fleet.gateway.url("/v1/completions"), USERS[0]
+    stream_completion(client, url, bearer(fleet.keys[user]), chunks=1)  # warm the TLS connections
+    runs = [stream_completion(client, url, bearer(fleet.keys[user])) for _ in range(3)]
+    print(f"\nper-chunk lag through gateway and node (ms): {[[round(x * 1000, 1) for x in r.lags] for r in runs]}")
+    assert runs[0].headers["x-accel-buffering"] == "no"
+    assert_streamed_unbuffered(runs)
+
+
+def test_the_gateway_answers_keys_and_limits_as_a_node_does(fleet, client):
+    r = client.post(fleet.gateway.url("/v1/completions"), json={}, headers=bearer("not-a-key-" + "x" * 30))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"]
+    assert client.get(fleet.gateway.url("/metrics")).status_code == 403
+    codes = [fleet.complete(client, USERS[1]).status_code for _ in range(4 * GATEWAY_RATE)]
+    limited = client.post(fleet.gateway.url("/v1/completions"), json={}, headers=bearer(fleet.keys[USERS[1]]))
+    assert 429 in codes and limited.status_code == 429 and limited.json()["error"]["type"], codes
+    assert codes.count(200) <= 2 * GATEWAY_RATE + 1, codes  # the burst plus what the rate refilled
+    assert fleet.complete(client, USERS[2]).status_code == 200  # per key: the others are not limited
+    served = fleet.served_by()
+    assert "" not in served["a"] + served["b"]  # nothing unauthenticated reached a node
+
+
+def test_a_gateway_that_cannot_verify_a_node_sends_it_nothing(tmp_path, fleet, client):
+    """Negative control for upstream TLS: a bundle without node a's CA makes a unusable."""
+    Path(fleet.upstream.ca_path).write_text(fleet.cas[1])
+    old = children_of(fleet.gateway.proc.pid)
+    os.kill(fleet.gateway.proc.pid, signal.SIGHUP)
+    wait_for(lambda: (kids := children_of(fleet.gateway.proc.pid)) and not (kids & old), 15, "gateway reload")
+    for user in USERS:
+        assert fleet.complete(client, user).status_code == 200  # retried on b, which verifies
+    assert fleet.served_by()["a"] == [], "node a was used without a verified certificate"
