@@ -28,9 +28,9 @@ pulumi.export("editorConfigs", node_shape.editor_outputs(node.args.editors, flee
                                                          node.args.api_keys) if fleet.gateway else node.editor_configs)
 pulumi.export("curlSmokeTest", node.curl)
 if len(fleet.nodes) > 1 or fleet.gateway:
-    # Per node: its own endpoint, whether the gateway routes to it, and its last SLA summary.
-    pulumi.export("nodes", {n: {"endpoint": svc.endpoint, "slaSummary": svc.sla.summary if svc.sla else None,
-                                "inRotation": fleet.enables[n].appliedDigest.apply(bool) if n in fleet.enables else None}
+    # Per node: its own endpoint and its last SLA summary. A node that failed its check is out of
+    # the gateway's rotation; `up` failed then, and `pulumi refresh` reports its enable as drift.
+    pulumi.export("nodes", {n: {"endpoint": svc.endpoint, "slaSummary": svc.sla.summary if svc.sla else None}
                             for n, svc in fleet.nodes.items()})
 if fleet.fleet_sla is not None:
     pulumi.export("fleetSlaReport", fleet.fleet_sla.summary)

@@ -71,6 +71,9 @@ class FleetUpstream:
     fail_timeout_s: int = 10
     tries: int = 2
     """Attempts per request, the first included; only before any byte reached the client."""
+    affinity: bool = True
+    """Keep True: each key on one node. False is round robin, the baseline of
+    benchmarks/gateway_affinity.py."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", tuple(self.members))
@@ -92,6 +95,8 @@ class FleetUpstream:
         check_int("FleetUpstream", "max_fails", self.max_fails, 1, 100)
         check_int("FleetUpstream", "fail_timeout_s", self.fail_timeout_s, 1, 3600)
         check_int("FleetUpstream", "tries", self.tries, 1, len(self.members) + 1)
+        if not isinstance(self.affinity, bool):
+            fail("FleetUpstream", "affinity", self.affinity, "use True (False is the benchmark's round robin)")
 
 
 def servers_script(fleet: FleetUpstream) -> str:

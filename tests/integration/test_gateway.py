@@ -12,6 +12,7 @@ import secrets
 import signal
 import ssl
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -152,6 +153,33 @@ def test_a_drained_node_gets_nothing_and_its_keys_come_back_when_enabled(fleet, 
         fleet.complete(client, user)
     after = {n: v[start[n]:] for n, v in fleet.served_by().items()}
     assert {u: n for n, names in after.items() for u in names} == home  # consistent hashing: the same homes
+
+
+def test_a_drain_lets_the_nodes_open_streams_finish_before_it_returns(fleet, client):
+    for user in USERS:
+        fleet.complete(client, user)
+    user = fleet.served_by()["a"][0]
+    body = {"model": "sse-test", "prompt": "p", "max_tokens": 10, "stream": True, "x_delay_ms": 300}
+    events, drained = [], {}
+
+    def drain():
+        t0 = time.monotonic()
+        drained["out"] = fleet.member("a", enabled=False)
+        drained["s"] = time.monotonic() - t0
+
+    with client.stream("POST", fleet.gateway.url("/v1/completions"), json=body, headers=bearer(fleet.keys[user])) as resp:
+        worker = None
+        for raw in resp.iter_raw():
+            events.append(raw)
+            if worker is None:  # the stream runs: drain its node now
+                worker = threading.Thread(target=drain)
+                worker.start()
+    t_done = time.monotonic()
+    worker.join(timeout=60)
+    assert b"[DONE]" in b"".join(events), "the drain cut an open stream"
+    assert "node a is drained" in drained["out"], drained
+    assert drained["s"] >= 1.5, f"the drain returned after {drained['s']:.1f} s, before the 3 s stream ended"
+    assert time.monotonic() - t_done < 5
 
 
 def test_a_node_that_refuses_before_the_first_byte_is_retried_on_the_other(fleet, client):
