@@ -145,7 +145,7 @@ def main() -> int:
             d = work / leg
             d.mkdir()
             (d / "nodes-ca.pem").write_text("".join(cas))
-            paths = GatewayPaths(servers=str(d / "gateway.servers"), state_dir=str(d / "state"))
+            paths = GatewayPaths(servers=str(d / "gateway.servers"), state_dir=str(d / "state"), lock=str(d / "lock"))
             Path(paths.enabled_dir).mkdir(parents=True)
             for m in members:
                 (Path(paths.enabled_dir) / m.name).touch()

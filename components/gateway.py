@@ -4,7 +4,7 @@ It terminates TLS for the fleet, checks the named keys and rate limits as a node
 proxies to each node's ingress over TLS verified against the nodes' own CAs, keeping each key
 on one node (components/gateway_render.py). A rolling update drains a node at the gateway
 before its engine changes, checks the node's SLA directly, and only then enables it again
-(`member_steps`); components/fleet.py orders the nodes into waves.
+(`member_step`); components/fleet.py orders the nodes into waves.
 """
 
 from __future__ import annotations

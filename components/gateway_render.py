@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components import grammar, templates
-from components.nginx_base import STATE_DIR, check_int, check_path, fail
+from components.nginx_base import LOCK, STATE_DIR, check_int, check_path, fail
 
 FLEET_TLS_NAME = "fimfleet-node.internal"
 """The name every node's certificate carries beside its own, which the gateway verifies: one
@@ -30,6 +30,8 @@ class GatewayPaths:
     servers: str
     """The upstream's servers file, generated; its site includes it inside the upstream block."""
     state_dir: str = f"{STATE_DIR}/gateway"
+    lock: str = LOCK
+    """The host's nginx lock: the rotation changes one nginx change at a time with the sites."""
 
     @property
     def enabled_dir(self) -> str:
@@ -39,13 +41,10 @@ class GatewayPaths:
     def generator(self) -> str:
         return f"{self.state_dir}/servers.sh"
 
-    @property
-    def lock(self) -> str:
-        return f"{self.state_dir}/lock"
-
     def __post_init__(self) -> None:
         check_path("GatewayPaths", "servers", self.servers)
         check_path("GatewayPaths", "state_dir", self.state_dir)
+        check_path("GatewayPaths", "lock", self.lock)
 
 
 @dataclass(frozen=True)

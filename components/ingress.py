@@ -19,6 +19,7 @@ from components.host import HostFacts
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream
 from components.ingress_render import IngressSpec, body_size_for, metrics_cidrs, site_files
 from components.nginx_base import LEGACY_FILES, STAGED_ROOT, STATE_DIR, NginxBase
+from components.nginx_base import LOCK as NGINX_LOCK
 from components.remote import RemoteStep
 from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
 
@@ -128,12 +129,13 @@ def step_scripts(args: IngressArgs, installs: list[dict], server_name: str = "lo
     i = args.settings
     kw = dict(main=nginx.main_path, sites=nginx.sites_dir, staged_dir=staged_dir(args.node),
               staged_root=STAGED_ROOT, tls_dir=f"{TLS_ROOT}/{args.node}", tls_root=TLS_ROOT,
-              prev_dir=f"{STATE_DIR}/{args.node}-prev", legacy=LEGACY_FILES, files=installs, server_name=server_name,
+              prev_dir=f"{STATE_DIR}/{args.node}-prev", state_dir=STATE_DIR, lock=NGINX_LOCK, legacy=LEGACY_FILES,
+              files=installs, server_name=server_name,
               https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
               tls_cert=tls_paths(i, args.node)[0], renew_days=RENEW_BEFORE_DAYS, renew_hint=RENEW_HINTS[i.tls])
     if args.fleet:  # the gateway writes its servers file from the rotation's markers before nginx -t
-        kw.update(generator=args.fleet.paths.generator, generator_lock=args.fleet.paths.lock,
-                  gateway_state=args.fleet.paths.state_dir, gateway_servers=args.fleet.paths.servers)
+        kw.update(generator=args.fleet.paths.generator, gateway_state=args.fleet.paths.state_dir,
+                  gateway_servers=args.fleet.paths.servers)
     check = {drift: templates.render("ingress/check.sh.j2", expiry_is_drift=drift, **kw) for drift in (True, False)}
     return {"apply": templates.render("ingress/apply.sh.j2", check=check[False], **kw), "check": check[True],
             "destroy": templates.render("ingress/destroy.sh.j2", **kw)}

@@ -30,6 +30,9 @@ DROPIN_PATH = "/etc/systemd/system/nginx.service.d/fimfleet-limits.conf"
 STAGED_ROOT = "/etc/fimfleet/nginx-staged"
 STATE_DIR = "/var/lib/fimfleet/nginx"
 """The distribution's nginx.conf (restored by destroy) and each step's previous files."""
+LOCK = f"{STATE_DIR}/lock"
+"""Held by every step that changes this host's nginx (its main config, each site, the gateway's
+rotation): one `nginx -t` never sees another step's files half installed."""
 HOST_DIR = "_host"
 """This step's directory under both, beside each node's (named after it): no node is named
 so, since node names are DNS labels."""
@@ -134,6 +137,7 @@ def render(base: NginxBase) -> NginxBaseSteps:
     contents = {MAIN_CONF: (base.main_path, render_main(base)), "fimfleet-limits.conf": (DROPIN_PATH, render_dropin(base))}
     installs = [{"name": name, "dest": dest, "mode": "0644"} for name, (dest, _) in contents.items()]
     kw = dict(conf=base.conf_dir, main=base.main_path, sites=base.sites_dir, staged_dir=STAGED_DIR, state_dir=STATE_DIR,
+              lock=LOCK,
               prev_dir=f"{STATE_DIR}/{HOST_DIR}-prev", dropin=DROPIN_PATH, files=installs, legacy=LEGACY_FILES)
     check = templates.render("ingress/base-check.sh.j2", **kw)
     return NginxBaseSteps(

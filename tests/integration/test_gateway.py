@@ -48,7 +48,8 @@ class Fleet:
         gw_dir = root / "gateway"
         gw_dir.mkdir()
         (gw_dir / "nodes-ca.pem").write_text("".join(self.cas))
-        self.paths = GatewayPaths(servers=str(gw_dir / "gateway.servers"), state_dir=str(gw_dir / "state"))
+        self.paths = GatewayPaths(servers=str(gw_dir / "gateway.servers"), state_dir=str(gw_dir / "state"),
+                                  lock=str(gw_dir / "nginx.lock"))
         self.upstream = FleetUpstream(
             members=tuple(Member(n, "127.0.0.1", ngx.https_port) for n, ngx in self.nodes.items()),
             paths=self.paths, ca_path=str(gw_dir / "nodes-ca.pem"), max_fails=1, fail_timeout_s=30)

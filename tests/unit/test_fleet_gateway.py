@@ -127,3 +127,29 @@ def test_bad_gateways_name_key_value_and_fix(gw, ingress, key, word):
         config.parse(raw, secret)
     found = {p.key: p.fix for p in err.value.problems}
     assert key in found and word in found[key], found
+
+
+def test_every_step_that_changes_a_hosts_nginx_holds_the_same_lock():
+    """The node's site, the host's main config and the gateway's rotation share one nginx: each
+    `nginx -t` must see the others' files whole, so each step holds nginx_base.LOCK."""
+    import shlex
+
+    from components import ingress as ingress_mod
+    from components import nginx_base
+    from components.gateway_render import member_script
+
+    shape = fleet_shape.args_for(fleet_cfg())
+    gw = shape.gateway
+    base = nginx_base.render(nginx_base.NginxBase())
+    scripts = {"host nginx apply": base.apply, "host nginx destroy": base.destroy}
+    for name, a in (("node", shape.nodes["n1"].ingress), ("gateway", gw.ingress)):
+        _, installs = ingress_mod.render_files(a, "203.0.113.10", "<cert>", "<key>", nginx=nginx_base.NginxBase(),
+                                               upstream_ca_pem="CA")
+        sh = ingress_mod.step_scripts(a, installs, "203.0.113.10", nginx_base.NginxBase())
+        scripts.update({f"{name} apply": sh["apply"], f"{name} destroy": sh["destroy"]})
+    for enabled in (True, False):
+        scripts[f"member {enabled}"] = member_script("n2", enabled, "/etc/nginx/nginx.conf", gw.ingress.fleet.paths)
+    lock = shlex.quote(nginx_base.LOCK)
+    for what, text in scripts.items():
+        assert f"exec 8>{lock}" in text or f"lock={lock}" in text, f"{what} does not take {nginx_base.LOCK}"
+        assert "flock" in text, what
