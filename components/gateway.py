@@ -71,10 +71,10 @@ def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.
     action = "enable" if enabled else "drain"
     return RemoteStep(
         f"{node}-{action}", label=f"gateway: {action} {node}", connection=connection, triggers=[trigger],
-        apply=member_script(node, enabled, nginx.main_path, paths, args.drain_timeout_s),
+        apply=member_script(node, enabled, nginx, paths, args.drain_timeout_s),
         check=member_check(node, paths) if enabled else None,
         # a node that leaves the fleet leaves the rotation first
-        destroy=member_script(node, False, nginx.main_path, paths, 1) if enabled else None,
+        destroy=member_script(node, False, nginx, paths, 1) if enabled else None,
         timeout_s=args.drain_timeout_s + 120, opts=pulumi.ResourceOptions(parent=parent, depends_on=after))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components import grammar, templates
-from components.nginx_base import LOCK, STATE_DIR, check_int, check_path, fail
+from components.nginx_base import LOCK, STATE_DIR, NginxBase, check_int, check_path, fail
 
 FLEET_TLS_NAME = "fimfleet-node.internal"
 """The name every node's certificate carries beside its own, which the gateway verifies: one
@@ -103,15 +103,14 @@ def servers_script(fleet: FleetUpstream) -> str:
     return templates.render("gateway/servers.sh.j2", fleet=fleet, paths=fleet.paths)
 
 
-def member_script(node: str, enabled: bool, main: str, paths: GatewayPaths, drain_timeout_s: int = 60) -> str:
+def member_script(node: str, enabled: bool, nginx: NginxBase, paths: GatewayPaths, drain_timeout_s: int = 60) -> str:
     """Put node `node` into rotation (enable) or take it out and wait for its streams (drain).
     It reads only the paths, never the member list, so adding a node leaves the others' steps alone."""
     if msg := grammar.dns_label(node):
         fail("member_script", "node", node, msg)
     check_int("member_script", "drain_timeout_s", drain_timeout_s, 1, 3600)
-    check_path("member_script", "main", main)
-    return templates.render("gateway/member.sh.j2", node=node, enabled=enabled, main=main, paths=paths,
-                            drain_timeout_s=drain_timeout_s)
+    return templates.render("gateway/member.sh.j2", node=node, enabled=enabled, main=nginx.main_path,
+                            pid_path=nginx.pid_path, paths=paths, drain_timeout_s=drain_timeout_s)
 
 
 def member_check(node: str, paths: GatewayPaths) -> str:

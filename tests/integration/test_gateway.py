@@ -21,8 +21,9 @@ import pytest
 
 from components import gateway_render
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
+from components.nginx_base import NginxBase
 from components.tls import issue
-from tests.integration.nginx_harness import SERVER_NAME, Nginx, Upstream, bearer, children_of, wait_for, write_tls
+from tests.integration.nginx_harness import CHUNK_DELAY_MS, SERVER_NAME, Nginx, Upstream, bearer, children_of, wait_for, write_tls
 from tests.integration.test_nginx_ingress import assert_streamed_unbuffered, stream_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -75,8 +76,8 @@ class Fleet:
 
     def member(self, node: str, enabled: bool, reload: bool = True, drain_timeout_s: int = 30) -> str:
         """Run the real drain or enable step against the gateway; waits for the new workers."""
-        main = self.gateway.spec.base.main_path if reload else "/nonexistent/nginx.conf"
-        script = gateway_render.member_script(node, enabled, main, self.paths, drain_timeout_s)
+        base = self.gateway.spec.base if reload else NginxBase(conf_dir="/nonexistent")
+        script = gateway_render.member_script(node, enabled, base, self.paths, drain_timeout_s)
         old = children_of(self.gateway.proc.pid) if reload else set()
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=60,
                               env=getattr(self, "env", None))
@@ -224,7 +225,9 @@ def test_streams_through_the_gateway_are_unbuffered(fleet, client):
     runs = [stream_completion(client, url, bearer(fleet.keys[user])) for _ in range(3)]
     print(f"\nper-chunk lag through gateway and node (ms): {[[round(x * 1000, 1) for x in r.lags] for r in runs]}")
     assert runs[0].headers["x-accel-buffering"] == "no"
-    assert_streamed_unbuffered(runs)
+    # Two TLS proxies on a loaded 2-core machine: one chunk may wait for a CPU, but none is held
+    # for a whole gap, and the median stays that of one proxy (buffering holds every chunk ~500 ms).
+    assert_streamed_unbuffered(runs, hard_lag_s=CHUNK_DELAY_MS / 1000)
 
 
 def test_the_gateway_answers_keys_and_limits_as_a_node_does(fleet, client):

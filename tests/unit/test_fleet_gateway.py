@@ -148,7 +148,7 @@ def test_every_step_that_changes_a_hosts_nginx_holds_the_same_lock():
         sh = ingress_mod.step_scripts(a, installs, "203.0.113.10", nginx_base.NginxBase())
         scripts.update({f"{name} apply": sh["apply"], f"{name} destroy": sh["destroy"]})
     for enabled in (True, False):
-        scripts[f"member {enabled}"] = member_script("n2", enabled, "/etc/nginx/nginx.conf", gw.ingress.fleet.paths)
+        scripts[f"member {enabled}"] = member_script("n2", enabled, nginx_base.NginxBase(), gw.ingress.fleet.paths)
     lock = shlex.quote(nginx_base.LOCK)
     for what, text in scripts.items():
         assert f"exec 8>{lock}" in text or f"lock={lock}" in text, f"{what} does not take {nginx_base.LOCK}"
