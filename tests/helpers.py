@@ -30,6 +30,8 @@ def raw_config(tier: str = "cpu-epyc-prod", **sections) -> tuple[dict, frozenset
         "sshPrivateKey": ssh_key(),
         "apiKeys": {"alice": API_KEY, "bob": API_KEY[::-1]},
     }
+    if "nodes" in sections:  # the stack names its machines itself (components/nodes_config.py)
+        del raw["host"]
     raw.update(copy.deepcopy(sections))
     return raw, frozenset({"sshPrivateKey", "apiKeys"})
 
