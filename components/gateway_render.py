@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components import grammar, templates
-from components.nginx_base import LOCK, STATE_DIR, NginxBase, check_int, check_path, fail
+from components.nginx_base import LOCK, STATE_DIR, NginxBase, address_port, check_int, check_path, fail
 
 FLEET_TLS_NAME = "fimfleet-node.internal"
 """The name every node's certificate carries beside its own, which the gateway verifies: one
@@ -55,7 +55,7 @@ class Member:
 
     @property
     def server(self) -> str:
-        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+        return address_port(self.address, self.port)
 
 
 @dataclass(frozen=True)

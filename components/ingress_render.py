@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from components import grammar, nginx_base
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream
-from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, check_int, check_path, int_problem
+from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, address_port, check_int, check_path, int_problem
 
 _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
 
@@ -262,11 +262,6 @@ def _key_regex(key: str) -> str:
     return r"~^(?i:bearer) +" + escaped + "$"
 
 
-def _listen(addr: str, port: int) -> str:
-    ip = ipaddress.ip_address(addr)
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
-
-
 def name_prefix(node: str) -> str:
     """What every http-level name of node `node`'s site starts with (nginx names take no '-')."""
     return "fimfleet_" + node.replace("-", "_")
@@ -290,12 +285,11 @@ def _context(spec: IngressSpec) -> dict:
         "p": name_prefix(spec.node),
         "keys_conf_path": f"{conf_dir}/{keys_conf(spec.node)}",
         "access_log": access_log(spec),
-        "https_listens": [_listen(a, spec.https_port) for a in spec.listen_addresses],
-        "http_listens": [_listen(a, spec.http_port) for a in spec.listen_addresses],
+        "https_listens": [address_port(a, spec.https_port) for a in spec.listen_addresses],
+        "http_listens": [address_port(a, spec.http_port) for a in spec.listen_addresses],
         "redirect_base": f"https://{spec.server_name}{https_suffix}",
         "metrics_cidrs": [str(ipaddress.ip_network(c)) for c in spec.metrics_allow_cidrs],
-        "upstream": _listen(spec.upstream_host, spec.upstream_port)
-        if grammar.ip(spec.upstream_host) else f"{spec.upstream_host}:{spec.upstream_port}",
+        "upstream": address_port(spec.upstream_host, spec.upstream_port),
         "key_entries": [(_key_regex(k), n) for n, k in sorted(spec.api_keys.items())],
         "upstream_authorization": f"Bearer {spec.upstream_api_key}" if spec.upstream_api_key else "",
         "json_errors": {code: _json_error_body(code) for code in _JSON_ERRORS},
