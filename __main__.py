@@ -2,7 +2,7 @@
 
 import pulumi
 
-from components import config, fleet as fleet_shape, node as node_shape, validate
+from components import config, fleet as fleet_shape, validate
 from components.fleet import Fleet
 
 try:
@@ -12,8 +12,7 @@ except config.ConfigError as err:
     pulumi.log.error(str(err))
     raise SystemExit(32) from None
 
-shape = fleet_shape.args_for(cfg)
-fleet = Fleet("fleet", shape)
+fleet = Fleet("fleet", fleet_shape.args_for(cfg))
 node = next(iter(fleet.nodes.values()))  # the canary; the only node of a single-node stack
 pulumi.export("endpoint", fleet.endpoint)
 pulumi.export("model", node.model)
@@ -24,8 +23,7 @@ pulumi.export("memoryPlan", cfg.memory.explain() if cfg.memory else "")
 pulumi.export("kvCache", node.kv_cache)
 # Per user key: editorConfigs.<name>.continueYaml and .cursorNotes, all secret (components/editors.py),
 # pointing at the fleet's endpoint (its gateway when it has one).
-pulumi.export("editorConfigs", node_shape.editor_outputs(node.args.editors, fleet.endpoint, fleet.ca_pem,
-                                                         node.args.api_keys) if fleet.gateway else node.editor_configs)
+pulumi.export("editorConfigs", fleet.editor_configs)
 pulumi.export("curlSmokeTest", node.curl)
 if len(fleet.nodes) > 1 or fleet.gateway:
     # Per node: its own endpoint and its last SLA summary. A node that failed its check is out of

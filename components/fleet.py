@@ -54,15 +54,19 @@ class Fleet(pulumi.ComponentResource):
         self.hosts: dict[str, HostBase] = {}
         self.nodes: dict[str, NodeService] = {}
         self.gateway = self.fleet_sla = None
-        self.drains: dict = {}
         self.enables: dict = {}
         if args.gateway is None:
             self._chain(args)
         else:
             self._waves(args, args.gateway)
         self.endpoints = {n: svc.endpoint for n, svc in self.nodes.items()}
-        self.endpoint = self.gateway.endpoint if self.gateway else next(iter(self.endpoints.values()))
-        self.ca_pem = self.gateway.ca_pem if self.gateway else next(iter(self.nodes.values())).ingress.ca_pem
+        canary, canary_args = next(iter(self.nodes.values())), next(iter(args.nodes.values()))
+        if self.gateway:  # the fleet's endpoint, and the users' editor outputs, are the gateway's
+            self.endpoint, self.ca_pem = self.gateway.endpoint, self.gateway.ca_pem
+            self.editor_configs = node.editor_outputs(canary_args.editors, self.endpoint, self.ca_pem,
+                                                      canary_args.api_keys)
+        else:
+            self.endpoint, self.ca_pem, self.editor_configs = canary.endpoint, canary.ingress.ca_pem, canary.editor_configs
         self.register_outputs({"endpoints": self.endpoints})
 
     def _host(self, name: str, args: FleetArgs, gate: list) -> HostBase:
@@ -102,7 +106,7 @@ class Fleet(pulumi.ComponentResource):
                 enable_step = gateway_shape.member_step(node_name, True, gw, gw_base.connection,
                                                         gw_base.nginx_settings, trigger, self,
                                                         after=[svc.sla or svc.monitor.step])
-                self.nodes[node_name], self.drains[node_name], self.enables[node_name] = svc, drain, enable_step
+                self.nodes[node_name], self.enables[node_name] = svc, enable_step
                 enables.append(enable_step)
             gate = enables
         cas = pulumi.Output.all(*[svc.ingress.ca_pem for svc in self.nodes.values()]).apply(gateway_shape.ca_bundle)

@@ -36,7 +36,8 @@ def preflight_script(cfg: StackConfig) -> str:
     accepted, min_gpu_mib = tiers.gpu_requirement(h.gpu_model or "", h.gpu_memory_gib or 0)
     cpu_tiers = [t for t in tiers.TIERS.values() if t.device == "cpu" and not t.test_only]
     return templates.render(
-        "host/preflight.sh.j2", tier=cfg.tier.name, config_key=f"fimfleet:{cfg.node_key}", cpu_flags=h.cpu_flags or [], min_memory_gib=needed_gib,
+        "host/preflight.sh.j2", tier=cfg.tier.name, config_key=f"fimfleet:{cfg.node_key}",
+        cpu_flags=h.cpu_flags or [], min_memory_gib=needed_gib,
         memory_gib=h.memory_gib, cpus=h.cpus, numa_nodes=h.numa_nodes, steal_seconds=STEAL_SAMPLE_SECONDS,
         max_steal=h.max_steal_percent, cpu_tiers=cpu_tiers, gpu_count=h.gpu_count or 0, gpu_model=h.gpu_model or "",
         gpu_memory_gib=h.gpu_memory_gib or 0, accepted_gpus=accepted, min_gpu_mib=min_gpu_mib,

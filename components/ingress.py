@@ -18,8 +18,7 @@ from components.config import IngressConfig
 from components.host import HostFacts
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream
 from components.ingress_render import IngressSpec, body_size_for, metrics_cidrs, site_files
-from components.nginx_base import LEGACY_FILES, STAGED_ROOT, STATE_DIR, NginxBase
-from components.nginx_base import LOCK as NGINX_LOCK
+from components.nginx_base import LEGACY_FILES, LOCK, STAGED_ROOT, STATE_DIR, NginxBase
 from components.remote import RemoteStep
 from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
 
@@ -129,7 +128,7 @@ def step_scripts(args: IngressArgs, installs: list[dict], server_name: str = "lo
     i = args.settings
     kw = dict(main=nginx.main_path, sites=nginx.sites_dir, staged_dir=staged_dir(args.node),
               staged_root=STAGED_ROOT, tls_dir=f"{TLS_ROOT}/{args.node}", tls_root=TLS_ROOT,
-              prev_dir=f"{STATE_DIR}/{args.node}-prev", state_dir=STATE_DIR, lock=NGINX_LOCK, legacy=LEGACY_FILES,
+              prev_dir=f"{STATE_DIR}/{args.node}-prev", state_dir=STATE_DIR, lock=LOCK, legacy=LEGACY_FILES,
               files=installs, server_name=server_name,
               https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
               tls_cert=tls_paths(i, args.node)[0], renew_days=RENEW_BEFORE_DAYS, renew_hint=RENEW_HINTS[i.tls])

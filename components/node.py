@@ -176,7 +176,6 @@ class NodeService(pulumi.ComponentResource):
                 sla_reports={name: self.sla.report} if self.sla else None,
                 ca_pems={name: self.ingress.ca_pem} if args.ingress.settings.tls != "acme" else None,
                 opts=child(self.sla or self.monitor))
-        self.args = args
         self.model = args.model
         self.kv_cache = self.runtime.kv_cache_tokens.apply(lambda v: sizing.kv_capacity_report(args.memory, v))
         self.editor_configs = editor_outputs(args.editors, self.endpoint, self.ingress.ca_pem, args.api_keys)

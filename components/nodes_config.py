@@ -9,7 +9,7 @@ named `node` on `host`: the single-node shorthand, kept so those stacks upgrade 
 from __future__ import annotations
 
 from components import grammar
-from components.config import Problem
+from components.config import Problem, camel
 
 NODE_KEYS = ("address", "port", "user", "bastion", "hostKey", "testbedState", "gone", "cpus", "memoryGiB",
              "memoryBandwidthGBs", "numaNodes", "cpuFlags", "maxStealPercent", "gpuModel", "gpuCount", "gpuMemoryGiB")
@@ -113,7 +113,7 @@ def check_distinct(hosts: dict, problems: list[Problem]) -> None:
 
 def check_gateway(gw, ingress, hosts: dict, problems: list[Problem]) -> None:
     """The gateway runs beside a node and connects to every node's ingress by its address."""
-    if gw.host is None or not gw.host:
+    if not gw.host:
         return
     if gw.host not in hosts:
         problems.append(Problem("gateway.host", gw.host, f"must name a node of fimfleet:nodes, where the gateway "
@@ -123,12 +123,11 @@ def check_gateway(gw, ingress, hosts: dict, problems: list[Problem]) -> None:
         return  # already reported
     if gw.https_port == gw.http_port:
         problems.append(Problem("gateway.httpPort", gw.http_port, "must differ from gateway.httpsPort; e.g. 80"))
-    for mine, theirs in (("httpsPort", "https_port"), ("httpPort", "http_port")):
+    for mine in ("https_port", "http_port"):
         for other in ("https_port", "http_port"):
-            if getattr(gw, theirs) == getattr(ingress, other):
-                camel_other = "httpsPort" if other == "https_port" else "httpPort"
-                problems.append(Problem(f"ingress.{camel_other}", getattr(ingress, other),
-                                        f"is also gateway.{mine} on node {gw.host}'s host: give the nodes' ingress "
+            if getattr(gw, mine) == getattr(ingress, other):
+                problems.append(Problem(f"ingress.{camel(other)}", getattr(ingress, other),
+                                        f"is also gateway.{camel(mine)} on node {gw.host}'s host: give the nodes' ingress "
                                         f"other ports, e.g. ingress.httpsPort: 8443 and ingress.httpPort: 8080"))
     for name, h in hosts.items():
         if h.kind != "ssh" or not h.address:
