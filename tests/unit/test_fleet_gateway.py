@@ -13,12 +13,9 @@ NODES = {"n1": {"address": "203.0.113.10"}, "n2": {"address": "203.0.113.11"}, "
 
 
 def fleet_cfg(**sections):
-    raw, secret = raw_config()
-    del raw["host"]
-    raw.update(nodes=NODES, gateway={"host": "n1"}, ingress={"httpsPort": 8443, "httpPort": 8080},
-               rollout={"maxUnavailable": 2})
-    raw.update(sections)
-    return config.parse(raw, secret)
+    fleet = dict(nodes=NODES, gateway={"host": "n1"}, ingress={"httpsPort": 8443, "httpPort": 8080},
+                 rollout={"maxUnavailable": 2})
+    return config.parse(*raw_config(**{**fleet, **sections}))
 
 
 def deps_by_name(recorder):
@@ -120,9 +117,7 @@ def test_only_what_restarts_the_engine_or_retunes_the_host_drains_a_node(change,
     ({"host": "n1", "httpPort": 443}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.httpPort", "differ"),
 ])
 def test_bad_gateways_name_key_value_and_fix(gw, ingress, key, word):
-    raw, secret = raw_config()
-    del raw["host"]
-    raw.update(nodes=NODES, gateway=gw, ingress=ingress)
+    raw, secret = raw_config(nodes=NODES, gateway=gw, ingress=ingress)
     with pytest.raises(config.ConfigError) as err:
         config.parse(raw, secret)
     found = {p.key: p.fix for p in err.value.problems}

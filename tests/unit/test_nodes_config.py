@@ -7,10 +7,7 @@ from tests.helpers import raw_config
 
 
 def nodes_raw(nodes, **sections):
-    raw, secret = raw_config()
-    del raw["host"]
-    raw.update(sections, nodes=nodes)
-    return raw, secret
+    return raw_config(nodes=nodes, **sections)
 
 
 def problems(raw, secret):
