@@ -3,11 +3,11 @@ node_exporter reading fimfleet's textfiles, all rendered by components/monitorin
 
 Prometheus starts after a warm-up, so its histograms hold only the measured burst, which the
 SLA probe (components.sla's provider, through the ingress with a key and the CA) sends. The
-recorded TTFT p99 must reproduce the engine's own histogram of those requests, and must not
-exceed what the probe measured by more than 20%. vLLM's TTFT starts when the engine receives
-a request, so the probe's is larger by the path in front of it (API server, nginx, TLS, client);
-on this shared 2-core host that path is 10-55% of the probe's tail, so the recorded p99 is
-printed beside the probe's rather than held to it from below. Print the figures with ``pytest -s``.
+recorded TTFT quantiles must reproduce the engine's own histogram of those requests, and p99
+must stay inside the bucket of the probe's slowest request. vLLM's TTFT starts when the engine
+receives a request, so the probe's is larger by the path in front of it (API server, nginx, TLS,
+client); on this shared 2-core host that path is 10-55% of the probe's tail, so the recorded p99
+is printed beside the probe's rather than held to it from below. Print the figures with ``pytest -s``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ for _binary in (PROMETHEUS, NODE_EXPORTER):
 
 BURST = dict(samples=40, concurrency=4, max_tokens=8)
 """The measured burst: enough requests for a stable p99, concurrent so TTFT is mostly engine time."""
-TOLERANCE = 0.20
+HISTORY_S = 12
+"""Seconds of scrapes before the burst. rate() extrapolates a series that starts inside its window
+by half a scrape interval, but no further back than the counter's zero point, so a bucket that was
+empty when Prometheus started is not extrapolated at all. Over a short history that skews the
+buckets against each other: with 40 requests, 4% moved p99 a whole bucket above the slowest
+request (131.8 ms recorded against 80.4 ms). With this much history and prior requests in the
+tail buckets, every bucket the quantiles use is extrapolated alike, and quantiles are scale-free."""
 
 
 class Stack:
@@ -83,6 +89,7 @@ class Stack:
             path.write_text(content)
         self._spawn("prometheus", [PROMETHEUS, *m.prometheus_args(self.args), f"--storage.tsdb.path={self.root / 'data'}"])
         wait_for(lambda: self._ready(), 60, "Prometheus to be ready", interval=0.2)
+        self.started = time.monotonic()
 
     def _ready(self) -> bool:
         try:
@@ -123,8 +130,10 @@ class Stack:
 def stack(vllm_server, tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("prometheus"), int(vllm_server["base"].rsplit(":", 1)[1]))
     try:
-        # Warm up BEFORE Prometheus exists: its histograms then hold only the measured burst.
-        s.probe(samples=4, concurrency=1)
+        # Warm up BEFORE Prometheus exists, so its histograms hold only the measured burst, and
+        # with the burst's own shape, so every bucket in the burst's tail already holds earlier
+        # requests (see HISTORY_S).
+        s.probe(samples=16, concurrency=BURST["concurrency"])
         s.start_exporters()
         s.start_prometheus()
         wait_for(lambda: s.value('count(up == 1)') == 3, 30, "every target to be up", interval=0.5)
@@ -174,6 +183,7 @@ def quantile(q: float, buckets: dict[float, float]) -> float:
 
 def test_recorded_ttft_p99_follows_the_sla_probe(stack):
     scrape = lambda: ttft_buckets(httpx.get(stack.nginx.url("/metrics"), verify=stack.tls.context(), timeout=10).text)  # noqa: E731
+    time.sleep(max(0.0, HISTORY_S - (time.monotonic() - stack.started)))
     before = scrape()
     report = stack.probe()
     after = scrape()
@@ -203,20 +213,17 @@ def test_recorded_ttft_p99_follows_the_sla_probe(stack):
     evaluated = {q: stack.value(f'fimfleet:ttft_seconds:p{q}{{node="node"}}', time=at) for q, _ in m.QUANTILES}
     for q, value in m.QUANTILES:
         assert evaluated[q] == pytest.approx(quantile(value, monotonic), rel=1e-6), (q, evaluated, rates)
-    # ... which follows the engine's own histogram of these requests, within what rate() allows:
-    # it extrapolates each bucket series on its own, which moves a quantile's rank by about one
-    # request. In the tail it can do more: a bucket that already held the warm-up requests when
-    # Prometheus started is extrapolated towards the window's start, one that was empty is not,
-    # so p99 can land a bucket above the burst's slowest request (seen: 119 ms recorded against
-    # at most 71 ms). p99 is therefore bounded from below only.
+    # ... which follows the engine's own histogram of these requests, within one request's rank
+    # (rate() extrapolates each bucket series on its own; HISTORY_S keeps that alike in the tail)
     one = 1 / BURST["samples"]
     for q, value in m.QUANTILES:
         lo, hi = quantile(max(0.0, value - one), burst), quantile(min(1.0, value + one), burst)
-        assert lo * 0.9 <= recorded[q], f"p{q}: recorded {recorded[q]}, engine {lo}..{hi}"
-        assert q == "99" or recorded[q] <= hi * 1.1, f"p{q}: recorded {recorded[q]}, engine {lo}..{hi}"
-    # ... which starts when the engine receives a request: it never shows a worse tail than the
-    # probe measured through nginx (the path in front of the engine only adds to the probe's)
-    assert recorded["99"] <= (1 + TOLERANCE) * probe["99"], (recorded, probe)
+        assert lo * 0.9 <= recorded[q] <= hi * 1.1, f"p{q}: recorded {recorded[q]}, engine {lo}..{hi}, rates {rates}"
+    # ... which starts when the engine receives a request, so no request is slower there than the
+    # probe measured it through nginx: the recorded p99 stays inside the bucket that holds the
+    # probe's slowest request (a histogram resolves no finer than its buckets, and interpolates)
+    edge = min(le for le in burst if le >= report["ttft_ms"]["max"] / 1000)
+    assert recorded["99"] <= edge, (recorded, probe, report["ttft_ms"]["max"], edge)
     # the SLA gate's report, written as a textfile, reaches Prometheus through node_exporter
     (stack.textfiles / "fimfleet_sla_node.prom").write_text(m.sla_textfile("node", report))
     wait_for(lambda: stack.value('fimfleet:sla_gate_ttft_seconds:last{node="node",percentile="99"}') is not None,
