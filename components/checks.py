@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from components import grammar, models, sizing
+from components import grammar, keys, models, sizing
 from components.cloud_types import CLOUD_PROVIDERS
 from components.config import PORT, Problem, camel
 
@@ -253,3 +253,23 @@ def check_memory(spec, model, engine, host, tier, problems):
                                     f"the KV cache cannot hold one full-context sequence: {plan.explain()}. "
                                     "Raise the KV cache or lower engine.maxModelLen"))
     return plan
+
+
+def check_api_keys(api_keys, problems) -> dict:
+    """fimfleet:apiKeys: at least one named key, each name and key in its grammar."""
+    if not isinstance(api_keys, dict) or not api_keys:
+        problems.append(Problem("apiKeys", "<secret>", "set at least one named key: pulumi config set --secret "
+                                "--path 'apiKeys.alice' <key of 32+ chars>"))
+        return {}
+    for name, val in api_keys.items():
+        for msg in (grammar.key_name(str(name)), grammar.api_key(val), keys.user_key_name(str(name))):
+            if msg:
+                problems.append(Problem(f"apiKeys.{name}", "<secret>", msg))
+    return dict(api_keys)
+
+
+def check_sla_order(sla, problems) -> None:
+    limits = (sla.ttft_p50_ms, sla.ttft_p95_ms, sla.ttft_p99_ms)
+    if _have(*limits) and not limits[0] <= limits[1] <= limits[2]:
+        problems.append(Problem("sla", {"ttftP50Ms": limits[0], "ttftP95Ms": limits[1], "ttftP99Ms": limits[2]},
+                                "percentile limits must not decrease: ttftP50Ms <= ttftP95Ms <= ttftP99Ms"))

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from components import grammar, ingress_render, keys, models, sizing
+from components import ingress_render, models, sizing
 from components.cloud_types import PROVIDERS
 from components.tiers import TIERS, Tier
 
@@ -208,10 +208,12 @@ class MonitoringConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The fleet's one endpoint (components/gateway.py): nginx beside a node, in front of all of them."""
+    """The fleet's one endpoint (components/gateway.py): nginx in front of every node."""
 
     host: str = key(default="")
-    """The node whose host runs the gateway; empty: no gateway (each node is its own endpoint)."""
+    """A node, beside which the gateway runs, or its own machine's address; empty: no gateway."""
+    host_key: str = key(default="")
+    """The SSH host key of the gateway's own machine (like nodes.<name>.hostKey)."""
     https_port: int = key(check=PORT, default=443)
     http_port: int = key(check=PORT, default=80)
     max_fails: int = key(check=_range(1, 100), default=2)
@@ -266,6 +268,8 @@ class StackConfig:
     """Node name -> NodeConfig, in rollout order; `host` and `memory` are the first node's."""
     node_key: str = "host"
     """Where this view's host facts are set: `host`, or `nodes.<name>` in the fimfleet:nodes form."""
+    gateway_host: HostConfig | None = None
+    """The gateway's own machine (host.* with gateway.host as its address), when it has one."""
 
     def node_names(self) -> list[str]:
         return list(self.nodes) or ["node"]
@@ -276,6 +280,10 @@ class StackConfig:
             return self
         n = self.nodes[name]
         return replace(self, host=n.host, memory=n.memory, node_key=n.key)
+
+    def for_gateway(self) -> "StackConfig":
+        """This stack as the gateway's own machine sees it (it runs no engine: no memory plan)."""
+        return replace(self, host=self.gateway_host, memory=None, node_key="gateway")
 
 
 @dataclass(frozen=True)
@@ -386,14 +394,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     for sk in SECRET_KEYS:
         if sk in raw and sk not in secret_keys:
             problems.append(Problem(sk, "<plain text>", f"store it as a secret: pulumi config set --secret {NAMESPACE}:{sk} ..."))
-    api_keys = raw.get("apiKeys") or {}
-    if not isinstance(api_keys, dict) or not api_keys:
-        problems.append(Problem("apiKeys", "<secret>", "set at least one named key: pulumi config set --secret --path 'apiKeys.alice' <key of 32+ chars>"))
-        api_keys = {}
-    for name, val in api_keys.items():
-        for msg in (grammar.key_name(str(name)), grammar.api_key(val), keys.user_key_name(str(name))):
-            if msg:
-                problems.append(Problem(f"apiKeys.{name}", "<secret>", msg))
+    api_keys = checks.check_api_keys(raw.get("apiKeys"), problems)
     secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=dict(api_keys),
                       hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""))
 
@@ -401,16 +402,16 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     model_spec = checks.check_model(model, tier, problems)
     nodes = {name: _parse_node(name, entry, "nodes" in raw, raw.get("host"), defaults["host"], tier, model_spec,
                                sec, secrets, problems) for name, entry in node_entries.items()}
-    nodes_config.check_distinct({n: c.host for n, c in nodes.items()}, problems)
-    nodes_config.check_gateway(sec["gateway"], ingress, {n: c.host for n, c in nodes.items()}, problems)
+    hosts = {n: c.host for n, c in nodes.items()}
+    nodes_config.check_distinct(hosts, problems)
+    gw_host = nodes_config.gateway_host(sec["gateway"], ingress, hosts, raw.get("host"), problems,
+                                        lambda merged, found: _parse_host(merged, defaults["host"], tier, sec, secrets, found))
     problems[:] = nodes_config.unique(problems)
     first = next(iter(nodes.values()))
     checks.check_runtime(runtime, tier, problems)
     checks.check_ingress(ingress, secrets, problems)
     sla = sec["sla"]
-    if None not in (sla.ttft_p50_ms, sla.ttft_p95_ms, sla.ttft_p99_ms) and not sla.ttft_p50_ms <= sla.ttft_p95_ms <= sla.ttft_p99_ms:
-        problems.append(Problem("sla", {"ttftP50Ms": sla.ttft_p50_ms, "ttftP95Ms": sla.ttft_p95_ms, "ttftP99Ms": sla.ttft_p99_ms},
-                                "percentile limits must not decrease: ttftP50Ms <= ttftP95Ms <= ttftP99Ms"))
+    checks.check_sla_order(sla, problems)
     checks.check_kernel(sec["kernel"], problems)
     checks.check_ports(engine, ingress, problems)
     checks.check_sla_fits_the_ingress(sla, ingress, problems)
@@ -419,7 +420,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     if problems:
         raise ConfigError(problems)
     cfg = StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=first.memory, host=first.host,
-                      nodes=nodes, **sec)
+                      nodes=nodes, gateway_host=gw_host, **sec)
     if cfg.monitoring.enabled:
         from components import monitoring  # monitoring reads this module's types: import it late
 
@@ -434,10 +435,7 @@ def _parse_node(name, entry, named, raw_host, host_defaults, tier, model_spec, s
     from components import checks, nodes_config
 
     found: list[Problem] = []
-    merged = nodes_config.merged_host(raw_host, entry, named)
-    host = _parse_section("host", HostConfig, merged, host_defaults, found)
-    host = _check_cloud(host, merged, tier, sec["ingress"], secrets, found)
-    checks.check_host(host, secrets, found)
+    host = _parse_host(nodes_config.merged_host(raw_host, entry, named), host_defaults, tier, sec, secrets, found)
     model, engine = sec["model"], sec["engine"]
     checks.check_engine(engine, host, tier, model_spec, found)
     memory = None
@@ -449,13 +447,15 @@ def _parse_node(name, entry, named, raw_host, host_defaults, tier, model_spec, s
     return NodeConfig(host=host, memory=memory, key=f"nodes.{name}" if named else "host")
 
 
-def _check_cloud(host, raw_host, tier, ingress, secrets, problems) -> HostConfig:
-    """Resolve host.provider; a cloud host gets its hardware facts from its instance type (before
-    the engine and sizing checks read them). Rules: components/cloud_types.py."""
-    from components import cloud_types
+def _parse_host(merged, host_defaults, tier, sec, secrets, problems) -> HostConfig:
+    """A host.* section, its provider resolved: a cloud host gets its hardware facts from its
+    instance type (before the engine and sizing checks read them; components/cloud_types.py)."""
+    from components import checks, cloud_types
 
-    host, found = cloud_types.check(host, raw_host, tier, ingress, secrets)
+    host = _parse_section("host", HostConfig, merged, host_defaults, problems)
+    host, found = cloud_types.check(host, merged, tier, sec["ingress"], secrets)
     problems.extend(found)
+    checks.check_host(host, secrets, problems)
     return host
 
 

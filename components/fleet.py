@@ -8,7 +8,8 @@ it serves.
 With a gateway (components/gateway.py) the nodes roll in waves: the first node (the canary)
 alone, then `rollout.maxUnavailable` at a time. A node whose engine or host changes is drained
 at the gateway first, checked directly, then enabled; the next wave waits for the enables.
-The gateway's host is set up first and is not gated, since every drain runs there.
+The gateway's host (a node's, or its own machine without an engine) is set up first and is
+not gated, since every drain runs there.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def args_for(cfg) -> FleetArgs:
     nodes = {name: node.args_for(view, name, host=name) for name, view in views.items()}
     if gw:  # behind the gateway, each node's certificate also carries the name the gateway verifies
         nodes = {name: node.behind_gateway(a) for name, a in nodes.items()}
-    return FleetArgs(hosts={name: hostbase.args_for(view) for name, view in views.items()}, nodes=nodes, gateway=gw)
+    hosts = {name: hostbase.args_for(view) for name, view in views.items()}
+    if cfg.gateway_host:  # the gateway on its own machine: a host without an engine
+        hosts[gateway_shape.GATEWAY] = hostbase.args_for(cfg.for_gateway(), engine=False)
+    return FleetArgs(hosts=hosts, nodes=nodes, gateway=gw)
 
 
 class Fleet(pulumi.ComponentResource):

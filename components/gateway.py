@@ -1,4 +1,5 @@
-"""Gateway: the fleet's one endpoint, an nginx site beside one node, in front of every node.
+"""Gateway: the fleet's one endpoint, an nginx site beside one node or on its own machine,
+in front of every node.
 
 It terminates TLS for the fleet, checks the named keys and rate limits as a node does, and
 proxies to each node's ingress over TLS verified against the nodes' own CAs, keeping each key
@@ -26,7 +27,7 @@ SERVERS_FILE = "gateway.servers"
 @dataclass(frozen=True)
 class GatewayArgs:
     host: str
-    """The node whose host runs the gateway."""
+    """The host that runs the gateway: a node's, or its own (named GATEWAY)."""
     ingress: ingress.IngressArgs
     """The gateway's site: node name GATEWAY, the gateway's ports, the FleetUpstream."""
     max_unavailable: int = 1
@@ -52,13 +53,13 @@ def args_for(cfg, nginx: NginxBase = NginxBase()) -> GatewayArgs | None:
         return None
     members = tuple(Member(name, "127.0.0.1" if name == gw.host else n.host.address, cfg.ingress.https_port)
                     for name, n in cfg.nodes.items())
+    host, view = (GATEWAY, cfg.for_gateway()) if cfg.gateway_host else (gw.host, cfg.for_node(gw.host))
     fleet = FleetUpstream(members=members, paths=GatewayPaths(servers=f"{nginx.sites_dir}/{SERVERS_FILE}"),
                           ca_path=f"{ingress.TLS_ROOT}/{GATEWAY}/nodes-ca.pem", max_fails=gw.max_fails,
                           fail_timeout_s=gw.fail_timeout_s, tries=min(2, len(members)))
     settings = dataclasses.replace(cfg.ingress, https_port=gw.https_port, http_port=gw.http_port)
-    site = dataclasses.replace(ingress.args_for(cfg.for_node(gw.host), GATEWAY), settings=settings, fleet=fleet,
-                               monitoring=False)
-    return GatewayArgs(host=gw.host, ingress=site, max_unavailable=cfg.rollout.max_unavailable,
+    site = dataclasses.replace(ingress.args_for(view, GATEWAY), settings=settings, fleet=fleet, monitoring=False)
+    return GatewayArgs(host=host, ingress=site, max_unavailable=cfg.rollout.max_unavailable,
                        drain_timeout_s=cfg.rollout.drain_timeout_s)
 
 

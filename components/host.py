@@ -29,18 +29,24 @@ def packages(cfg: StackConfig) -> list[str]:
     return base + allocator + runtime
 
 
-def preflight_script(cfg: StackConfig) -> str:
-    """The read-only host check (files/host/preflight.sh.j2); GPU rules from tiers.gpu_requirement."""
+GATEWAY_PACKAGES = ("nginx", "openssl", "curl", "ca-certificates", "jq")
+"""What a gateway's own machine needs: nginx and the tools its scripts use, no engine."""
+
+
+def preflight_script(cfg: StackConfig, engine: bool = True) -> str:
+    """The read-only host check (files/host/preflight.sh.j2); GPU rules from tiers.gpu_requirement.
+    A host without an engine (the gateway's own) is held to no tier's hardware, only to steal."""
     h = cfg.host
     needed_gib = int(cfg.memory.total / 1024**3) + 1 if cfg.memory and cfg.tier.device == "cpu" else 1
     accepted, min_gpu_mib = tiers.gpu_requirement(h.gpu_model or "", h.gpu_memory_gib or 0)
     cpu_tiers = [t for t in tiers.TIERS.values() if t.device == "cpu" and not t.test_only]
+    facts = dict(cpu_flags=h.cpu_flags or [], memory_gib=h.memory_gib, cpus=h.cpus, numa_nodes=h.numa_nodes,
+                 gpu_count=h.gpu_count or 0) if engine else dict(cpu_flags=[], memory_gib=1, cpus=1, numa_nodes=0, gpu_count=0)
     return templates.render(
-        "host/preflight.sh.j2", tier=cfg.tier.name, config_key=f"fimfleet:{cfg.node_key}",
-        cpu_flags=h.cpu_flags or [], min_memory_gib=needed_gib,
-        memory_gib=h.memory_gib, cpus=h.cpus, numa_nodes=h.numa_nodes, steal_seconds=STEAL_SAMPLE_SECONDS,
-        max_steal=h.max_steal_percent, cpu_tiers=cpu_tiers, gpu_count=h.gpu_count or 0, gpu_model=h.gpu_model or "",
-        gpu_memory_gib=h.gpu_memory_gib or 0, accepted_gpus=accepted, min_gpu_mib=min_gpu_mib,
+        "host/preflight.sh.j2", tier=cfg.tier.name, config_key=f"fimfleet:{cfg.node_key}", min_memory_gib=needed_gib,
+        steal_seconds=STEAL_SAMPLE_SECONDS, max_steal=h.max_steal_percent, cpu_tiers=cpu_tiers,
+        gpu_model=h.gpu_model or "", gpu_memory_gib=h.gpu_memory_gib or 0, accepted_gpus=accepted,
+        min_gpu_mib=min_gpu_mib, **facts,
     )
 
 
@@ -128,8 +134,9 @@ class HostArgs:
     """A cloud instance to create first (host.provider hcloud or aws)."""
 
 
-def args_for(cfg: StackConfig) -> HostArgs:
-    """A validated StackConfig's host as HostArgs; the only reader of the test VM's info.json."""
+def args_for(cfg: StackConfig, engine: bool = True) -> HostArgs:
+    """A validated StackConfig's host as HostArgs; the only reader of the test VM's info.json.
+    `engine=False`: a host that runs no engine (the gateway's own): nginx only, no tier hardware."""
     h = cfg.host
     conn = base_connection(cfg)
     testbed = h.kind == "local-vm"
@@ -137,7 +144,8 @@ def args_for(cfg: StackConfig) -> HostArgs:
                     host_key=h.host_key or (conn["hostKey"] if testbed else ""),
                     bastion_host_key=(h.bastion or {}).get("hostKey", ""),
                     forwards=testbed_forwards(h.testbed_state) if testbed else {},
-                    preflight=preflight_script(cfg), packages=tuple(packages(cfg)),
+                    preflight=preflight_script(cfg, engine),
+                    packages=tuple(packages(cfg)) if engine else GATEWAY_PACKAGES,
                     instance=cloud.instance_args(cfg) if h.provider in cloud_types.CLOUD_PROVIDERS else None)
 
 

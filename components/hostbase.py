@@ -35,9 +35,10 @@ class HostBaseArgs:
     nginx: nginx_base.NginxBase = nginx_base.NginxBase()
 
 
-def args_for(cfg) -> HostBaseArgs:
-    """A validated StackConfig's host as HostBaseArgs (host.args_for reads the test VM's info.json)."""
-    return HostBaseArgs(host=host.args_for(cfg), kernel=kernel.args_for(cfg), watchdog=cfg.monitor.watchdog)
+def args_for(cfg, engine: bool = True) -> HostBaseArgs:
+    """A validated StackConfig's host as HostBaseArgs (host.args_for reads the test VM's info.json);
+    `engine=False` for the gateway's own machine."""
+    return HostBaseArgs(host=host.args_for(cfg, engine), kernel=kernel.args_for(cfg), watchdog=cfg.monitor.watchdog)
 
 
 def legacy_parent(node_name: str, fleet: pulumi.Resource) -> pulumi.Alias:

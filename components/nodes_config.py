@@ -111,19 +111,46 @@ def check_distinct(hosts: dict, problems: list[Problem]) -> None:
                                 "of the fleet: leave it unset with several nodes and point the name at the gateway"))
 
 
-def check_gateway(gw, ingress, hosts: dict, problems: list[Problem]) -> None:
-    """The gateway runs beside a node and connects to every node's ingress by its address."""
+def gateway_host(gw, ingress, hosts: dict, raw_host, problems: list[Problem], parse_host):
+    """The gateway's own machine, when gateway.host is an address rather than a node: host.*
+    with that address and gateway.hostKey on top, parsed by `parse_host(merged, problems)`.
+    Checks the gateway either way; returns None when it runs beside a node (or is off)."""
+    own = None
+    if gw.host and gw.host not in hosts and ("." in gw.host or ":" in gw.host):
+        found: list[Problem] = []
+        own = parse_host(merged_host(raw_host, {"address": gw.host, "hostKey": gw.host_key}, True), found)
+        at = {"host.address": "gateway.host", "host.hostKey": "gateway.hostKey"}
+        problems.extend(Problem(at.get(p.key, p.key), p.value, p.fix.replace("fimfleet:host.address", "fimfleet:gateway.host"))
+                        for p in found)
+    check_gateway(gw, ingress, hosts, own, problems)
+    return own
+
+
+def check_gateway(gw, ingress, hosts: dict, own, problems: list[Problem]) -> None:
+    """The gateway runs beside a node or on its own SSH host, and connects to every node's
+    ingress by its address."""
     if not gw.host:
         return
-    if gw.host not in hosts:
-        problems.append(Problem("gateway.host", gw.host, f"must name a node of fimfleet:nodes, where the gateway "
-                                f"runs beside it: one of {', '.join(hosts)}"))
+    if gw.host_key and own is None:
+        problems.append(Problem("gateway.hostKey", gw.host_key, "is for a gateway on its own machine (gateway.host an "
+                                "address); beside a node, the node's hostKey is used: remove it"))
+    if own is not None:
+        if own.kind != "ssh":
+            problems.append(Problem("gateway.host", gw.host, f"a gateway on its own machine is reached over SSH, but "
+                                    f"host.provider is {own.kind}: run it beside a node (gateway.host: {next(iter(hosts))})"))
+        for name, h in hosts.items():
+            if h.address == gw.host:
+                problems.append(Problem("gateway.host", gw.host, f"is nodes.{name}'s address: to run the gateway "
+                                        f"beside that node, name it (gateway.host: {name})"))
+    elif gw.host not in hosts:
+        problems.append(Problem("gateway.host", gw.host, f"must name a node of fimfleet:nodes, beside which the gateway "
+                                f"runs ({', '.join(hosts)}), or be its own machine's address, e.g. 203.0.113.5"))
         return
     if None in (gw.https_port, gw.http_port, ingress.https_port, ingress.http_port):
         return  # already reported
     if gw.https_port == gw.http_port:
         problems.append(Problem("gateway.httpPort", gw.http_port, "must differ from gateway.httpsPort; e.g. 80"))
-    for mine in ("https_port", "http_port"):
+    for mine in ("https_port", "http_port") if own is None else ():
         for other in ("https_port", "http_port"):
             if getattr(gw, mine) == getattr(ingress, other):
                 problems.append(Problem(f"ingress.{camel(other)}", getattr(ingress, other),

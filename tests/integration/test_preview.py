@@ -135,11 +135,16 @@ def test_preview_every_stack(stack, tmp_path):
     assert API_KEY not in out and "PRIVATE KEY" not in out
 
 
-def test_preview_of_a_three_node_fleet_lists_the_gateway_the_nodes_and_the_rollout_gates(tmp_path):
-    """The README's growing-a-stack example, on the headline tier (documentation-range addresses)."""
+@pytest.mark.parametrize("own_machine", [False, True], ids=["beside-a-node", "own-machine"])
+def test_preview_of_a_three_node_fleet_lists_the_gateway_the_nodes_and_the_rollout_gates(tmp_path, own_machine):
+    """The README's growing-a-stack example, on the headline tier (documentation-range addresses),
+    with the gateway beside the first node or on a machine of its own."""
     extra = {f"fimfleet:nodes.epyc{i}.address": f"203.0.113.{10 + i}" for i in (1, 2, 3)}
-    extra.update({"fimfleet:gateway.host": "epyc1", "fimfleet:ingress.httpsPort": "8443",
-                  "fimfleet:ingress.httpPort": "8080"})
+    if own_machine:
+        extra.update({"fimfleet:gateway.host": "203.0.113.5", "fimfleet:gateway.hostKey": host_key()})
+    else:
+        extra.update({"fimfleet:gateway.host": "epyc1", "fimfleet:ingress.httpsPort": "8443",
+                      "fimfleet:ingress.httpPort": "8080"})
     cfg = stack_copy("cpu-epyc-prod", tmp_path, extra)
     pulumi("config", "rm", "--path", "fimfleet:nodes.node", "--config-file", str(cfg), "-s", "cpu-epyc-prod")
     out = pulumi("preview", "-s", "cpu-epyc-prod", "--config-file", str(cfg), "--non-interactive",
@@ -147,6 +152,10 @@ def test_preview_of_a_three_node_fleet_lists_the_gateway_the_nodes_and_the_rollo
     for name in ("gateway-ingress-nginx", "fleet-probe-key", "fleet-sla",
                  *[f"epyc{i}-{part}" for i in (1, 2, 3) for part in ("drain", "enable", "runtime-service", "sla")]):
         assert re.search(rf"\b{name}\b", out), f"{name} missing from the fleet's preview:\n{out[-4000:]}"
+    # its own machine is a host of its own: preflight, packages, kernel and nginx, no engine
+    for name in ("gateway-host-preflight", "gateway-kernel-apply", "gateway-nginx"):
+        assert bool(re.search(rf"\b{name}\b", out)) is own_machine, f"{name}:\n{out[-4000:]}"
+    assert not re.search(r"\bgateway-runtime", out)
     assert "mandatory" not in out, out[-3000:]
     assert API_KEY not in out and "PRIVATE KEY" not in out
 

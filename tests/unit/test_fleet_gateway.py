@@ -10,6 +10,9 @@ from components.gateway_render import FLEET_TLS_NAME
 from tests.helpers import raw_config
 
 NODES = {"n1": {"address": "203.0.113.10"}, "n2": {"address": "203.0.113.11"}, "n3": {"address": "203.0.113.12"}}
+HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
+OWN = {"host": "198.51.100.20", "hostKey": HOST_KEY}
+"""A gateway on its own machine."""
 
 
 def fleet_cfg(**sections):
@@ -115,6 +118,12 @@ def test_only_what_restarts_the_engine_or_retunes_the_host_drains_a_node(change,
     ({"host": "n9"}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.host", "must name a node"),
     ({"host": "n1"}, {}, "ingress.httpsPort", "ingress.httpsPort: 8443"),
     ({"host": "n1", "httpPort": 443}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.httpPort", "differ"),
+    # on its own machine: an address (a dotted name or an IP), reached over SSH like a node
+    ({"host": "gw"}, {}, "gateway.host", "own machine's address"),
+    ({"host": "203.0.113.11"}, {}, "gateway.host", "gateway.host: n2"),
+    ({"host": "gw.example.com;reboot"}, {}, "gateway.host", "DNS name"),
+    ({"host": "198.51.100.20", "hostKey": "ssh-ed25519"}, {}, "gateway.hostKey", "ssh-"),
+    ({"host": "n1", "hostKey": HOST_KEY}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.hostKey", "remove it"),
 ])
 def test_bad_gateways_name_key_value_and_fix(gw, ingress, key, word):
     raw, secret = raw_config(nodes=NODES, gateway=gw, ingress=ingress)
@@ -148,3 +157,68 @@ def test_every_step_that_changes_a_hosts_nginx_holds_the_same_lock():
     for what, text in scripts.items():
         assert f"exec 8>{lock}" in text or f"lock={lock}" in text, f"{what} does not take {nginx_base.LOCK}"
         assert "flock" in text, what
+
+
+def test_a_gateway_on_its_own_machine_is_a_host_without_an_engine():
+    cfg = fleet_cfg(gateway=OWN, ingress={})  # its own host: the nodes keep the default ports
+    assert cfg.gateway_host.address == "198.51.100.20" and cfg.gateway_host.host_key == HOST_KEY
+    shape = fleet_shape.args_for(cfg)
+    gw_host = shape.hosts[gateway.GATEWAY].host
+    assert shape.gateway.host == gateway.GATEWAY and list(shape.nodes) == list(NODES)
+    assert (gw_host.configured_address, gw_host.host_key) == ("198.51.100.20", HOST_KEY)
+    assert gw_host.connection["user"] == shape.hosts["n1"].host.connection["user"]  # host.* is shared
+    # nginx and the tools its scripts use; no engine, so no tier hardware in its preflight
+    assert "nginx" in gw_host.packages and not {"python3-venv", "numactl", "libjemalloc2"} & set(gw_host.packages)
+    assert "min_memory_gib=1\n" in gw_host.preflight and "want_numa=0\n" in gw_host.preflight
+    assert "required_flags=()" in gw_host.preflight
+    assert "want_numa=1\n" in shape.hosts["n1"].host.preflight
+    # every node is reached at its address, none on the gateway's loopback
+    members = {m.name: m.address for m in shape.gateway.ingress.fleet.members}
+    assert members == {n: e["address"] for n, e in NODES.items()}
+
+
+def test_a_hosts_preflight_without_an_engine_accepts_any_numa_layout(tmp_path):
+    """The rendered check on a fake two-NUMA-node host: a node's preflight wants the tier's
+    layout, the gateway's takes what it finds."""
+    import os
+    import subprocess
+
+    shape = fleet_shape.args_for(fleet_cfg(gateway=OWN, ingress={}))
+    proc, sys_ = tmp_path / "proc", tmp_path / "sys"
+    (proc).mkdir()
+    (proc / "cpuinfo").write_text("processor : 0\nflags : fpu sse2\nprocessor : 1\n")
+    (proc / "meminfo").write_text("MemTotal: 2097152 kB\n")
+    (proc / "stat").write_text("cpu 1 0 1 100 0 0 0 0 0 0\n")
+    for n in (0, 1):
+        (sys_ / "devices" / "system" / "node" / f"node{n}").mkdir(parents=True)
+    env = {**os.environ, "FIMFLEET_PREFLIGHT_PROC": str(proc), "FIMFLEET_PREFLIGHT_SYS": str(sys_),
+           "FIMFLEET_PREFLIGHT_STEAL_S": "0"}
+
+    def run(preflight):
+        return subprocess.run(["bash", "-c", preflight], env=env, capture_output=True, text=True, timeout=30)
+
+    ok = run(shape.hosts[gateway.GATEWAY].host.preflight)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    refused = run(shape.hosts["n1"].host.preflight)
+    assert refused.returncode != 0 and "NUMA" in refused.stdout + refused.stderr
+
+
+@pytest.mark.parametrize("own", [True, False])
+@pulumi.runtime.test
+def test_drains_run_on_the_gateways_host_which_is_set_up_first_and_ungated(recorder, own):
+    f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(gateway=OWN if own else {"host": "n1"},
+                                                      **({"ingress": {}} if own else {}))))
+    gw_host = gateway.GATEWAY if own else "n1"
+
+    def check(_):
+        t = deps_by_name(recorder)
+        assert not deps(t, gw_host, "fimfleet:host:HostBase")
+        assert bool([k for k in t if k == (gateway.GATEWAY, "fimfleet:host:HostBase")]) is own
+        regs = {r["name"]: r for r in recorder.registrations}
+        for n in NODES:
+            conn = regs[f"{n}-drain"]["inputs"]["connection"]
+            conn = conn["value"] if isinstance(conn, dict) and "value" in conn else conn
+            assert conn["host"] == ("198.51.100.20" if own else "203.0.113.10"), (n, conn["host"])
+        assert "n1-enable" in deps(t, "n2-drain")
+
+    return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
