@@ -12,7 +12,9 @@ except config.ConfigError as err:
     pulumi.log.error(str(err))
     raise SystemExit(32) from None
 
-fleet = Fleet("fleet", fleet_shape.args_for(cfg))
+args = fleet_shape.args_for(cfg)
+# Behind a gateway, a node the last `up` did not deploy waits only for the canary.
+fleet = Fleet("fleet", args, deployed=fleet_shape.deployed_nodes() if args.gateway else None)
 node = next(iter(fleet.nodes.values()))  # the canary; the only node of a single-node stack
 pulumi.export("endpoint", fleet.endpoint)
 pulumi.export("model", node.model)
@@ -28,7 +30,7 @@ pulumi.export("curlSmokeTest", node.curl)
 if len(fleet.nodes) > 1 or fleet.gateway:
     # Per node: its own endpoint and its last SLA summary. A node that failed its check is out of
     # the gateway's rotation; `up` failed then, and `pulumi refresh` reports its enable as drift.
-    pulumi.export("nodes", {n: {"endpoint": svc.endpoint, "slaSummary": svc.sla.summary if svc.sla else None}
+    pulumi.export(fleet_shape.NODES_OUTPUT, {n: {"endpoint": svc.endpoint, "slaSummary": svc.sla.summary if svc.sla else None}
                             for n, svc in fleet.nodes.items()})
 if fleet.fleet_sla is not None:
     pulumi.export("fleetSlaReport", fleet.fleet_sla.summary)

@@ -6,7 +6,9 @@ host's base waits for the same gate, as a kernel or package change there touches
 it serves.
 
 With a gateway (components/gateway.py) the nodes roll in waves: the first node (the canary)
-alone, then `rollout.maxUnavailable` at a time. A node whose engine or host changes is drained
+alone, then `rollout.maxUnavailable` at a time. A node the last `up` did not deploy serves
+nobody yet, so it only waits for the canary: a fresh fleet is the canary, then all the rest
+at once. A node whose engine or host changes is drained
 at the gateway first, checked directly, then enabled; the next wave waits for the enables.
 The gateway's host (a node's, or its own machine without an engine) is set up first and is
 not gated, since every drain runs there.
@@ -49,8 +51,23 @@ def args_for(cfg) -> FleetArgs:
     return FleetArgs(hosts=hosts, nodes=nodes, gateway=gw)
 
 
+NODES_OUTPUT = "nodes"
+"""The stack output that lists the nodes (__main__.py); the next `up` reads it back."""
+
+
+def deployed_nodes() -> pulumi.Output:
+    """The nodes the stack's last successful `up` exported, read back from the stack's own state
+    (empty on a stack never deployed). An `up` that failed exports nothing, so a node it
+    enabled counts as new once more: it then goes beside the wave after the canary."""
+    ref = pulumi.StackReference(f"{pulumi.get_organization()}/{pulumi.get_project()}/{pulumi.get_stack()}")
+    return ref.get_output(NODES_OUTPUT).apply(lambda nodes: sorted(nodes or {}))
+
+
 class Fleet(pulumi.ComponentResource):
-    def __init__(self, name: str, args: FleetArgs, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: FleetArgs, deployed: pulumi.Input[list] | None = None,
+                 opts: pulumi.ResourceOptions | None = None):
+        """`deployed`: the nodes already serving (deployed_nodes()); None: treat every node as
+        serving, so each waits for its wave."""
         super().__init__("fimfleet:fleet:Fleet", name, None, opts)
         unknown = sorted({n.host for n in args.nodes.values()} - set(args.hosts))
         if unknown:
@@ -62,7 +79,7 @@ class Fleet(pulumi.ComponentResource):
         if args.gateway is None:
             self._chain(args)
         else:
-            self._waves(args, args.gateway)
+            self._waves(args, args.gateway, deployed)
         self.endpoints = {n: svc.endpoint for n, svc in self.nodes.items()}
         canary, canary_args = next(iter(self.nodes.values())), next(iter(args.nodes.values()))
         if self.gateway:  # the fleet's endpoint, and the users' editor outputs, are the gateway's
@@ -89,14 +106,19 @@ class Fleet(pulumi.ComponentResource):
             self.nodes[node_name] = previous = NodeService(
                 node_name, node_args, base, opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
 
-    def _waves(self, args: FleetArgs, gw: GatewayArgs) -> None:
+    def _waves(self, args: FleetArgs, gw: GatewayArgs, deployed) -> None:
         gw_base = self._host(gw.host, args, [])
         fleet_key = keys.ProbeKey("fleet-probe-key", opts=pulumi.ResourceOptions(parent=self))
         probe_key = pulumi.Output.secret(fleet_key.key)
-        gate: list = []
-        for wave in gateway_shape.waves(list(args.nodes), gw.max_unavailable):
+        serving = pulumi.Output.from_input(deployed) if deployed is not None else None
+        wave_gate: list = []
+        canary_gate: list = []
+        for i, wave in enumerate(gateway_shape.waves(list(args.nodes), gw.max_unavailable)):
             enables = []
             for node_name in wave:
+                gate = wave_gate
+                if i > 1 and serving is not None:  # a serving node waits for the wave before it, a new one only for the canary
+                    gate = serving.apply(lambda names, n=node_name, w=wave_gate, c=canary_gate: w if n in names else c)
                 node_args = args.nodes[node_name]
                 host_args = args.hosts[node_args.host]
                 base = self._host(node_args.host, args, gate)
@@ -112,7 +134,7 @@ class Fleet(pulumi.ComponentResource):
                                                         after=[svc.sla or svc.monitor.step])
                 self.nodes[node_name], self.enables[node_name] = svc, enable_step
                 enables.append(enable_step)
-            gate = enables
+            canary_gate, wave_gate = canary_gate or enables, enables
         cas = pulumi.Output.all(*[svc.ingress.ca_pem for svc in self.nodes.values()]).apply(gateway_shape.ca_bundle)
         self.gateway = NginxIngress(f"{gateway_shape.GATEWAY}-ingress", gw.ingress, host=gw_base.facts,
                                     connection=gw_base.connection, nginx=gw_base.nginx_settings,
@@ -127,4 +149,4 @@ class Fleet(pulumi.ComponentResource):
                 model=first.model, thresholds=s.thresholds, samples=s.samples * len(args.nodes), warmup=s.warmup,
                 concurrency=s.concurrency * len(args.nodes), max_tokens=s.max_tokens,
                 trigger=triggers.apply(lambda t: templates.digest(self.gateway.digest, *t)),
-                ceiling=None, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.gateway.step, *gate]))
+                ceiling=None, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.gateway.step, *self.enables.values()]))

@@ -222,3 +222,24 @@ def test_drains_run_on_the_gateways_host_which_is_set_up_first_and_ungated(recor
         assert "n1-enable" in deps(t, "n2-drain")
 
     return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+
+
+@pytest.mark.parametrize("deployed, n3_waits_for", [
+    (["n1", "n2", "n3"], "n2-enable"),  # a roll: n3 serves, so it waits for the wave before it
+    ([], "n1-enable"),                  # a fresh fleet: the canary, then all the others at once
+    (["n1", "n2"], "n1-enable"),        # n3 is new: it serves nobody yet, so only the canary gates it
+    (None, "n2-enable"),                # unknown: every node waits for its wave
+])
+@pulumi.runtime.test
+def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, deployed, n3_waits_for):
+    f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(rollout={"maxUnavailable": 1})), deployed=deployed)
+    other = {"n1-enable", "n2-enable"} - {n3_waits_for}
+
+    def check(_):
+        t = deps_by_name(recorder)
+        assert "n1-enable" in deps(t, "n2-drain")  # the second wave always follows the canary
+        for name, type_ in (("n3-drain", None), ("n3", "fimfleet:host:HostBase"), ("n3", "fimfleet:node:NodeService")):
+            assert n3_waits_for in deps(t, name, type_) and not other & deps(t, name, type_), (name, deps(t, name, type_))
+        assert {"n1-enable", "n2-enable", "n3-enable"} <= deps(t, "fleet-sla")
+
+    return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
