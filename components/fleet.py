@@ -6,10 +6,10 @@ host's base waits for the same gate, as a kernel or package change there touches
 it serves.
 
 With a gateway (components/gateway.py) the nodes roll in waves: the first node (the canary)
-alone, then `rollout.maxUnavailable` at a time. A node the last `up` did not deploy serves
-nobody yet, so it only waits for the canary: a fresh fleet is the canary, then all the rest
-at once. A node whose engine or host changes is drained
-at the gateway first, checked directly, then enabled; the next wave waits for the enables.
+alone, then `rollout.maxUnavailable` at a time. A node whose engine or host changes is drained
+at the gateway first, checked directly, then enabled; the next wave waits for the enables. A
+node the last `up` did not deploy serves nobody yet, so it waits only for the canary: a fresh
+fleet is the canary, then all the rest at once.
 The gateway's host (a node's, or its own machine without an engine) is set up first and is
 not gated, since every drain runs there.
 """
@@ -117,7 +117,7 @@ class Fleet(pulumi.ComponentResource):
             enables = []
             for node_name in wave:
                 gate = wave_gate
-                if i > 1 and serving is not None:  # a serving node waits for the wave before it, a new one only for the canary
+                if i > 1 and serving is not None:  # a serving node waits for the wave before it, a new one for the canary
                     gate = serving.apply(lambda names, n=node_name, w=wave_gate, c=canary_gate: w if n in names else c)
                 node_args = args.nodes[node_name]
                 host_args = args.hosts[node_args.host]
@@ -149,4 +149,5 @@ class Fleet(pulumi.ComponentResource):
                 model=first.model, thresholds=s.thresholds, samples=s.samples * len(args.nodes), warmup=s.warmup,
                 concurrency=s.concurrency * len(args.nodes), max_tokens=s.max_tokens,
                 trigger=triggers.apply(lambda t: templates.digest(self.gateway.digest, *t)),
-                ceiling=None, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.gateway.step, *self.enables.values()]))
+                ceiling=None, opts=pulumi.ResourceOptions(parent=self,
+                                                          depends_on=[self.gateway.step, *self.enables.values()]))
