@@ -24,6 +24,10 @@ from components.remote import RemoteStep, dir_digest
 
 STATE_DIR = "/var/lib/fimfleet/engine"
 CACHE_DIR = "/var/cache/fimfleet/hf"
+WRITABLE_DIR = "/var/cache/fimfleet"
+"""The docker runtime's one writable mount (its root filesystem is read-only): the model
+cache (CACHE_DIR, HF_HOME at the same path inside) and the engine's HOME, where vLLM, Triton
+and torch keep their compile caches across restarts."""
 SERVICE_USER = "fimfleet-vllm"
 LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "requirements-cpu.lock"
 REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
@@ -95,7 +99,8 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
     unit_file = templates.render(
         "runtime/vllm.service.j2", node=node, kind=cfg.runtime.kind, model=cfg.model.id,
         env_file=unit_paths(node)[2], user=SERVICE_USER, preload=PRELOAD[cfg.runtime.allocator],
-        state_dir=STATE_DIR, cache_dir=CACHE_DIR, venv=cfg.runtime.venv_path,
+        state_dir=STATE_DIR, cache_dir=CACHE_DIR, writable_dir=WRITABLE_DIR, home=f"{WRITABLE_DIR}/home",
+        venv=cfg.runtime.venv_path,
         args=" ".join(shlex.quote(a) for a in launch.args), container=f"vllm-{node}",
         image=cfg.runtime.image or default_image(cfg), shm_gib=c.shm_size_gib if c else 4,
         cap_add=c.cap_add if c else (), security_opt=c.security_opt if c else (), gpus=c.gpus if c else "",
