@@ -395,7 +395,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
         if sk in raw and sk not in secret_keys:
             problems.append(Problem(sk, "<plain text>", f"store it as a secret: pulumi config set --secret {NAMESPACE}:{sk} ..."))
     api_keys = checks.check_api_keys(raw.get("apiKeys"), problems)
-    secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=dict(api_keys),
+    secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=api_keys,
                       hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""))
 
     model, engine, runtime, ingress = sec["model"], sec["engine"], sec["runtime"], sec["ingress"]

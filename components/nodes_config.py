@@ -120,8 +120,11 @@ def gateway_host(gw, ingress, hosts: dict, raw_host, problems: list[Problem], pa
         found: list[Problem] = []
         own = parse_host(merged_host(raw_host, {"address": gw.host, "hostKey": gw.host_key}, True), found)
         at = {"host.address": "gateway.host", "host.hostKey": "gateway.hostKey"}
-        problems.extend(Problem(at.get(p.key, p.key), p.value, p.fix.replace("fimfleet:host.address", "fimfleet:gateway.host"))
-                        for p in found)
+        for p in found:
+            fix = p.fix
+            for mine, theirs in at.items():
+                fix = fix.replace(f"fimfleet:{mine}", f"fimfleet:{theirs}")
+            problems.append(Problem(at.get(p.key, p.key), p.value, fix))
     check_gateway(gw, ingress, hosts, own, problems)
     return own
 

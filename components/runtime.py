@@ -23,11 +23,11 @@ from components.config import StackConfig
 from components.remote import RemoteStep, dir_digest
 
 STATE_DIR = "/var/lib/fimfleet/engine"
-CACHE_DIR = "/var/cache/fimfleet/hf"
 WRITABLE_DIR = "/var/cache/fimfleet"
 """The docker runtime's one writable mount (its root filesystem is read-only): the model
 cache (CACHE_DIR, HF_HOME at the same path inside) and the engine's HOME, where vLLM, Triton
 and torch keep their compile caches across restarts."""
+CACHE_DIR = f"{WRITABLE_DIR}/hf"
 SERVICE_USER = "fimfleet-vllm"
 LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "requirements-cpu.lock"
 REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
