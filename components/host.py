@@ -21,10 +21,14 @@ from components.remote import RemoteStep
 STEAL_SAMPLE_SECONDS = 3
 
 
+ALLOCATOR_PACKAGES = {"jemalloc": ["libjemalloc2"], "tcmalloc": ["libtcmalloc-minimal4"], "none": []}
+"""The Debian package behind each runtime.allocator (its library is runtime.PRELOAD's)."""
+
+
 def packages(cfg: StackConfig) -> list[str]:
     """Debian packages the node needs for its runtime kind."""
     base = ["nginx", "openssl", "curl", "ca-certificates", "numactl", "libnuma1", "jq"]
-    allocator = {"jemalloc": ["libjemalloc2"], "tcmalloc": ["libtcmalloc-minimal4"], "none": []}[cfg.runtime.allocator]
+    allocator = ALLOCATOR_PACKAGES[cfg.runtime.allocator]
     runtime = ["docker.io", "apparmor"] if cfg.runtime.kind == "docker" else ["python3-venv", "python3-pip"]
     return base + allocator + runtime
 

@@ -1,9 +1,11 @@
-"""Shared test data: valid stack configs to start from, and a throwaway SSH key."""
+"""Shared test data: valid stack configs to start from, a throwaway SSH key, the image build module."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+from pathlib import Path
 
 API_KEY = "k" * 8 + "0123456789abcdef0123456789"
 
@@ -50,3 +52,13 @@ def temp_project(tmp_path):
     text = (root / "Pulumi.yaml").read_text().replace("virtualenv: .venv", f"virtualenv: {root / '.venv'}")
     (proj / "Pulumi.yaml").write_text(text + f"main: {root}\n")
     return proj
+
+
+@functools.cache
+def image_build():
+    """toolchain/image/build.py as a module, under a name no installed package has (PyPI's `build`)."""
+    path = Path(__file__).resolve().parents[1] / "toolchain" / "image" / "build.py"
+    spec = importlib.util.spec_from_file_location("fimfleet_image_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

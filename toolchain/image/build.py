@@ -1,0 +1,206 @@
+"""fimfleet's vLLM CPU engine image: built from a real Dockerfile, cached by its pins, pushed by digest.
+
+No base image can be pulled here, so the image starts from the testbed's debootstrap rootfs
+(one layer, as `docker import` makes) and installs the engine from the pinned wheelhouse.
+buildah builds it natively (chroot isolation, vfs storage): no Docker engine runs on this
+machine, and inside the emulated VM the wheelhouse install alone takes about 17 minutes.
+
+    build.py build                      build (or find) the image; prints its content tag
+    build.py registry | registry-stop   start (idempotent) or stop Debian's docker-registry on 127.0.0.1
+    build.py push [REGISTRY]            push to REGISTRY (default: that registry); prints repo@sha256:...
+
+Cache: $FIMFLEET_CACHE/image/<key>/image.json, keyed by the rendered Dockerfile and health
+check, the lock, the wheelhouse listing and the base rootfs's key. A second build is a no-op.
+Builds and pushes hold one lock, so two runs at once build once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from components import engine, host, runtime, templates  # noqa: E402
+from components.config import RuntimeConfig  # noqa: E402
+from scripts.local_deploy import last_value, run  # noqa: E402
+
+CACHE = Path(os.environ.get("FIMFLEET_CACHE", Path.home() / ".cache" / "fimfleet"))
+IMAGE_CACHE = CACHE / "image"
+STORAGE = ["--root", str(IMAGE_CACHE / "storage"), "--runroot", str(IMAGE_CACHE / "run"), "--storage-driver", "vfs"]
+REPO = "fimfleet/vllm-cpu"
+UID = 10001
+REGISTRY_PORT = int(os.environ.get("FIMFLEET_REGISTRY_PORT", "5959"))
+REGISTRY = f"127.0.0.1:{REGISTRY_PORT}"
+"""The test registry, on loopback only. The test VM reaches it as 10.0.2.2 (QEMU user networking)."""
+ROOTFS_EXCLUDES = ("./boot", "./lib/modules", "./usr/lib/modules", "./etc/ssh/ssh_host_*", "./root/.ssh",
+                   "./var/cache/apt/archives/*.deb", "./etc/machine-id")
+"""What a VM needs and a container must not carry: a kernel, its modules, the testbed's host keys."""
+
+
+MANIFEST_TYPES = "application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json"
+
+
+def say(msg: str) -> None:
+    print(f"fimfleet: image: {msg}", file=sys.stderr, flush=True)
+
+
+def context_files(allocator: str = "jemalloc") -> dict[str, str]:
+    """The Dockerfile and the health check, rendered: the pure part of the build."""
+    dockerfile = templates.render(
+        "image/Dockerfile.j2", suite="bookworm", venv=RuntimeConfig().venv_path, uid=UID,
+        user=runtime.SERVICE_USER, home=f"{runtime.WRITABLE_DIR}/home", preload=runtime.PRELOAD[allocator],
+        packages=["libnuma1", *host.ALLOCATOR_PACKAGES[allocator]], port=8000, entrypoint=engine.ENTRYPOINT_MODULE)
+    return {"Dockerfile": dockerfile, "health.py": (templates.FILES / "image" / "health.py").read_text()}
+
+
+def wheel_listing(wheelhouse: Path) -> str:
+    return "".join(sorted(f"{p.name} {p.stat().st_size}\n" for p in wheelhouse.glob("*.whl")))
+
+
+def image_key(files: dict[str, str], lock: str, wheels: str, base_key: str) -> str:
+    h = hashlib.sha256()
+    for part in (*(f"{k}\0{v}" for k, v in sorted(files.items())), lock, wheels, base_key):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _run(*cmd: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, text=True, **kw)
+
+
+def _inputs() -> tuple[Path, Path, dict]:
+    """The base rootfs (built or cached by build-image.sh) and the pinned wheelhouse."""
+    base = Path(run(["bash", ROOT / "toolchain/testbed/build-image.sh", "--variant", "base", "--quiet"]).split()[-1])
+    wheelhouse = Path(last_value(run([ROOT / "toolchain/vllm/install.sh", "wheelhouse"]), "VLLM_WHEELHOUSE"))
+    return base, wheelhouse, json.loads((base / "manifest.json").read_text())
+
+
+def _locked():
+    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
+    f = open(IMAGE_CACHE / ".lock", "w")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+def build() -> dict:
+    base, wheelhouse, manifest = _inputs()
+    files = context_files()
+    key = image_key(files, runtime.LOCK_FILE.read_text(), wheel_listing(wheelhouse), manifest["key"])
+    out = IMAGE_CACHE / key / "image.json"
+    with _locked():
+        if out.exists():
+            info = json.loads(out.read_text())
+            say(f"cached: {info['tag']} ({key})")
+            return info
+        ctx = IMAGE_CACHE / key / "context"
+        shutil.rmtree(ctx, ignore_errors=True)
+        ctx.mkdir(parents=True)
+        for name, text in files.items():
+            (ctx / name).write_text(text)
+        shutil.copy(runtime.LOCK_FILE, ctx / "requirements.lock")
+        _run("cp", "-al", str(wheelhouse), str(ctx / "wheelhouse"))  # hard links: no second copy
+        t0 = time.monotonic()
+        say(f"packing the base rootfs {base / 'rootfs'}")
+        _run("tar", "-C", str(base / "rootfs"), "--numeric-owner", "-cf", str(ctx / "rootfs.tar"),
+             *(f"--exclude={e}" for e in ROOTFS_EXCLUDES), ".")
+        say("buildah bud (the wheelhouse install is the long step, a few minutes)")
+        iid = ctx / "iid"
+        # --format docker: the OCI image config has no HEALTHCHECK and buildah would drop it.
+        # No --layers: vfs stores every layer as a full copy of the tree, so each stage commits once.
+        _run("buildah", *STORAGE, "bud", "--isolation", "chroot", "--format", "docker", "--iidfile", str(iid),
+             "-f", str(ctx / "Dockerfile"), str(ctx))
+        image_id = iid.read_text().strip()
+        tag = f"localhost/{REPO}:{image_id.split(':')[-1][:12]}"  # tagged by the content digest
+        _run("buildah", *STORAGE, "tag", image_id, tag)
+        _run("buildah", *STORAGE, "rmi", "--prune")  # the rootfs stage's untagged image
+        info = {"key": key, "id": image_id, "tag": tag, "build_seconds": round(time.monotonic() - t0),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        shutil.rmtree(ctx)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        tmp.rename(out)  # written last: marks the build complete
+        say(f"built {tag} in {info['build_seconds']} s")
+        return info
+
+
+def _answers(url: str, accept: str = "*/*") -> bool:
+    return subprocess.run(["curl", "-fsS", "-o", "/dev/null", "-H", f"Accept: {accept}", url],
+                          stderr=subprocess.DEVNULL).returncode == 0
+
+
+def registry() -> str:
+    """Debian's docker-registry on loopback, its storage in the cache; started once."""
+    conf = IMAGE_CACHE / "registry.yml"
+    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
+    conf.write_text(templates.render("image/registry.yml.j2", root=str(IMAGE_CACHE / "registry"), addr=REGISTRY))
+    if not _answers(f"http://{REGISTRY}/v2/"):
+        log = open(IMAGE_CACHE / "registry.log", "a")
+        proc = subprocess.Popen(["docker-registry", "serve", str(conf)], stdout=log, stderr=log, start_new_session=True)
+        (IMAGE_CACHE / "registry.pid").write_text(str(proc.pid))
+        for _ in range(50):
+            time.sleep(0.2)
+            if _answers(f"http://{REGISTRY}/v2/"):
+                break
+        else:
+            raise SystemExit(f"fimfleet: image: docker-registry did not answer on {REGISTRY}; see {log.name}")
+    say(f"registry: http://{REGISTRY}/v2/")
+    return REGISTRY
+
+
+def stop_registry() -> None:
+    """Stop the registry `registry()` started (its storage stays in the cache)."""
+    pidfile = IMAGE_CACHE / "registry.pid"
+    if pidfile.exists():
+        try:
+            os.kill(int(pidfile.read_text()), 15)
+        except (ProcessLookupError, ValueError):
+            pass
+        pidfile.unlink()
+
+
+def push(info: dict, dest: str) -> str:
+    """Push by content; returns the pull reference `dest/repo@sha256:...`, cached per registry."""
+    done = IMAGE_CACHE / info["key"] / f"pushed-{hashlib.sha256(dest.encode()).hexdigest()[:12]}"
+    local = dest == REGISTRY
+    with _locked():
+        # the local registry's storage can be wiped apart from this cache: ask it, not the marker
+        if done.exists() and local and not _answers(f"http://{dest}/v2/{REPO}/manifests/{done.read_text().strip()}",
+                                                    MANIFEST_TYPES):
+            done.unlink()
+        if not done.exists():
+            dg = IMAGE_CACHE / info["key"] / "digest.tmp"
+            _run("buildah", *STORAGE, "push", f"--tls-verify={str(not local).lower()}",
+                 "--digestfile", str(dg), info["tag"], f"docker://{dest}/{REPO}")
+            dg.rename(done)
+        return f"{dest}/{REPO}@{done.read_text().strip()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("cmd", choices=("build", "registry", "registry-stop", "push"))
+    p.add_argument("dest", nargs="?", help="push: the registry (host[:port]); default: the local test registry")
+    a = p.parse_args(argv)
+    if a.cmd == "registry":
+        print(registry())
+    elif a.cmd == "registry-stop":
+        stop_registry()
+    elif a.cmd == "build":
+        print(build()["tag"])
+    else:
+        print(push(build(), a.dest or registry()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
