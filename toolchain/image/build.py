@@ -75,10 +75,6 @@ def image_key(files: dict[str, str], lock: str, wheels: str, base_key: str) -> s
     return h.hexdigest()[:16]
 
 
-def _run(*cmd: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=True, text=True, **kw)
-
-
 def _inputs() -> tuple[Path, Path, dict]:
     """The base rootfs (built or cached by build-image.sh) and the pinned wheelhouse."""
     base = Path(run(["bash", ROOT / "toolchain/testbed/build-image.sh", "--variant", "base", "--quiet"]).split()[-1])
@@ -109,21 +105,21 @@ def build() -> dict:
         for name, text in files.items():
             (ctx / name).write_text(text)
         shutil.copy(runtime.LOCK_FILE, ctx / "requirements.lock")
-        _run("cp", "-al", str(wheelhouse), str(ctx / "wheelhouse"))  # hard links: no second copy
+        run(["cp", "-al", str(wheelhouse), str(ctx / "wheelhouse")], capture=False)  # hard links: no second copy
         t0 = time.monotonic()
         say(f"packing the base rootfs {base / 'rootfs'}")
-        _run("tar", "-C", str(base / "rootfs"), "--numeric-owner", "-cf", str(ctx / "rootfs.tar"),
-             *(f"--exclude={e}" for e in ROOTFS_EXCLUDES), ".")
+        run(["tar", "-C", str(base / "rootfs"), "--numeric-owner", "-cf", str(ctx / "rootfs.tar"),
+             *(f"--exclude={e}" for e in ROOTFS_EXCLUDES), "."], capture=False)
         say("buildah bud (the wheelhouse install is the long step, a few minutes)")
         iid = ctx / "iid"
         # --format docker: the OCI image config has no HEALTHCHECK and buildah would drop it.
         # No --layers: vfs stores every layer as a full copy of the tree, so each stage commits once.
-        _run("buildah", *STORAGE, "bud", "--isolation", "chroot", "--format", "docker", "--iidfile", str(iid),
-             "-f", str(ctx / "Dockerfile"), str(ctx))
+        run(["buildah", *STORAGE, "bud", "--isolation", "chroot", "--format", "docker", "--iidfile", str(iid),
+             "-f", str(ctx / "Dockerfile"), str(ctx)], capture=False)
         image_id = iid.read_text().strip()
         tag = f"localhost/{REPO}:{image_id.split(':')[-1][:12]}"  # tagged by the content digest
-        _run("buildah", *STORAGE, "tag", image_id, tag)
-        _run("buildah", *STORAGE, "rmi", "--prune")  # the rootfs stage's untagged image
+        run(["buildah", *STORAGE, "tag", image_id, tag], capture=False)
+        run(["buildah", *STORAGE, "rmi", "--prune"], capture=False)  # the rootfs stage's untagged image
         info = {"key": key, "id": image_id, "tag": tag, "build_seconds": round(time.monotonic() - t0),
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         shutil.rmtree(ctx)
@@ -180,8 +176,8 @@ def push(info: dict, dest: str) -> str:
             done.unlink()
         if not done.exists():
             dg = IMAGE_CACHE / info["key"] / "digest.tmp"
-            _run("buildah", *STORAGE, "push", f"--tls-verify={str(not local).lower()}",
-                 "--digestfile", str(dg), info["tag"], f"docker://{dest}/{REPO}")
+            run(["buildah", *STORAGE, "push", f"--tls-verify={str(not local).lower()}",
+                 "--digestfile", str(dg), info["tag"], f"docker://{dest}/{REPO}"], capture=False)
             dg.rename(done)
         return f"{dest}/{REPO}@{done.read_text().strip()}"
 
