@@ -12,6 +12,10 @@ vLLM's own token counters from the engine's loopback /metrics, and
             each decode step or prefill chunk, so they freeze when it hangs);
     busy  = the probe failed but those metrics moved: not counted, never restarted.
 
+An engine that is starting is never judged: after the monitor's own restart, and after any
+other start of its unit (a deploy's start.sh) until a probe has passed, failed probes count
+as the start grace (the tier's start timeout), not as a hang.
+
 `stall_s` must exceed the engine's longest single step (a full max-num-batched-tokens
 prefill chunk), or a healthy engine inside one long step looks hung.
 

@@ -38,7 +38,7 @@ now=$(date +%s)
 [ -s "$state/progress-at" ] || echo "$now" > "$state/progress-at"
 if [ "$rc" -eq 0 ]; then
   [ "$failures" -gt 0 ] && log "probe ok again after $failures failure(s)"
-  echo 0 > "$state/failures"; echo "$now ok" > "$state/last"; echo "$now" > "$state/progress-at"
+  echo 0 > "$state/failures"; echo "$now ok" > "$state/last"; echo "$now" | tee "$state/progress-at" > "$state/ok-at"
   rm -f "$state/restarted-at" "$state/stage"
   exit 0
 fi
@@ -58,8 +58,14 @@ if [ -n "$sample" ] && [ "$sample" != "$prev" ]; then
 fi
 echo "$now fail $(head -c 300 "$state/last-error")" > "$state/last"
 
-# An engine that is starting after our own restart is not failing yet.
+# An engine that is starting is not failing yet: after our own restart, or after any other
+# start of its unit that no probe has passed since (a deploy's start.sh, an operator's restart).
 restarted=$(cat "$state/restarted-at" 2>/dev/null || echo 0)
+entered=$(systemctl show -p ActiveEnterTimestamp --value "$ENGINE_UNIT" 2>/dev/null || true)
+entered=$( { [ -n "$entered" ] && date -d "$entered" +%s; } 2>/dev/null || echo 0)
+if [ "$entered" -gt "$restarted" ] && [ "$entered" -gt "$(cat "$state/ok-at" 2>/dev/null || echo 0)" ]; then
+  restarted=$entered
+fi
 if [ $(( now - restarted )) -lt "$GRACE_S" ] && systemctl is-active -q "$ENGINE_UNIT"; then
   log "probe failed during the ${GRACE_S}s start grace: $(head -c 200 "$state/last-error")"
   exit 0

@@ -24,6 +24,8 @@ Behaviour, modelled on systemd:
 * ``start UNIT``: start unless active.
 * ``kill [--signal=SIG|-s SIG] UNIT``: send SIG (default SIGTERM) to the whole group.
 * ``reset-failed UNIT``: no-op.
+* ``show -p ActiveEnterTimestamp --value UNIT``: when the running engine was started, in
+  systemd's format (empty when it is not running).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def start(unit: dict) -> str:
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     (_dir() / "main.pid").write_text(str(proc.pid))
+    (_dir() / "started.at").write_text(f"{time.time():.3f}")
     with open(_dir() / "pgids", "a") as fh:
         fh.write(f"{proc.pid}\n")
     return f"started pid {proc.pid}"
@@ -136,11 +139,15 @@ def _signal(name: str) -> int:
 
 
 def systemctl(args: list[str]) -> tuple[int, str]:
-    quiet, sig, words = False, signal.SIGTERM, []
+    quiet, sig, words, prop = False, signal.SIGTERM, [], ""
     it = iter(args)
     for a in it:
         if a in ("-q", "--quiet"):
             quiet = True
+        elif a in ("-p", "--property"):
+            prop = next(it, "")
+        elif a.startswith("--property="):
+            prop = a.split("=", 1)[1]
         elif a.startswith("--signal="):
             sig = _signal(a.split("=", 1)[1])
         elif a in ("-s", "--signal"):
@@ -184,6 +191,10 @@ def systemctl(args: list[str]) -> tuple[int, str]:
         return 0, f"signal {sig} to {len(members)} process(es)"
     if verb == "reset-failed":
         return 0, "ok"
+    if verb == "show" and prop == "ActiveEnterTimestamp":
+        at = (_dir() / "started.at").read_text() if is_active() and (_dir() / "started.at").exists() else ""
+        print(time.strftime("%a %Y-%m-%d %H:%M:%S %Z", time.localtime(float(at))) if at else "")
+        return 0, "shown"
     return 2, f"verb {verb!r} not supported by the shim"
 
 

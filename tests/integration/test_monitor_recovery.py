@@ -20,7 +20,8 @@ Faults, each starting from a serving engine:
 2. a wrong probe key: HTTP 401, a configuration error every round, never a restart;
 3. 16 concurrent streams: probes time out while the engine produces tokens; every failed
    round is judged busy, none fails, nothing is restarted (over the longest detection bound);
-4. SIGSTOP of the EngineCore process only, which leaves /health at 200 (vLLM #39863): the
+4. a restart by someone else (a deploy): the start grace holds, nothing is restarted;
+5. SIGSTOP of the EngineCore process only, which leaves /health at 200 (vLLM #39863): the
    engine is restarted within DETECT_BUDGET_S (60 s), once per tier's settings, and serves again.
 
 Measured times are printed with ``pytest -s``; with FIMFLEET_RECORD_RESULTS=1 they are written to
@@ -408,6 +409,19 @@ def test_busy_engine_under_16_streams_is_never_restarted(node):
         summary[stack] = {"rounds": len(rounds), "busy": verdicts.count("busy"), "ok": verdicts.count("ok")}
     RESULTS["busy_load"] = {"streams": LOAD_STREAMS, "seconds": duration, "tokens_streamed": tokens, **summary}
     print(f"\nbusy load: {RESULTS['busy_load']}")
+
+
+def test_an_engine_a_deploy_restarts_is_left_to_start(node):
+    """A restart the monitor did not make (a deploy's start.sh, an operator) opens the same start
+    grace as its own: the engine's failed probes while it starts are never judged hung."""
+    m = node.monitors[SETTINGS_FROM[0]]
+    m.ensure_serving()
+    assert node.systemctl("restart", node.unit).returncode == 0
+    t0 = time.time()
+    rounds = m.drive(Round.ok, t0 + START_BOUND_S, "serving again after a deploy's restart")
+    history = "\n".join(map(str, rounds))
+    assert node.restarts(t0) == [], history
+    assert any("start grace" in r.out for r in rounds), f"no round saw the engine starting:\n{history}"
 
 
 def test_the_exercised_settings_bracket_every_stacks(tiny_model):
