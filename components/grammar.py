@@ -102,6 +102,21 @@ def image(v) -> str | None:
             "or repo@sha256:<64 hex> (lower-case path, no spaces or shell characters)")
 
 
+REGISTRY_USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,254}")
+
+
+def image_registry(ref: str) -> str:
+    """The registry host[:port] an image reference names; Docker Hub's own key for short names."""
+    first = ref.split("/", 1)[0] if "/" in ref else ""
+    return first if ("." in first or ":" in first or first == "localhost") else "https://index.docker.io/v1/"
+
+
+def registry_user(v) -> str | None:
+    if _full(REGISTRY_USER, v):
+        return None
+    return "must be a registry user name of letters, digits and ._@+- (e.g. acme-bot, AWS)"
+
+
 def abs_path(v) -> str | None:
     if _full(ABS_PATH, v) and "/../" not in v + "/" and not v.rstrip("/") == "":
         return None

@@ -11,6 +11,7 @@ the docker provider plugin cannot be built offline here (docs/architecture.md).
 
 from __future__ import annotations
 
+import base64
 import json
 import shlex
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pulumi
 
-from components import engine, models, templates
+from components import engine, grammar, models, templates
 from components.config import StackConfig
 from components.remote import RemoteStep, dir_digest
 
@@ -29,6 +30,12 @@ cache (CACHE_DIR, HF_HOME at the same path inside) and the engine's HOME, where 
 and torch keep their compile caches across restarts."""
 CACHE_DIR = f"{WRITABLE_DIR}/hf"
 SERVICE_USER = "fimfleet-vllm"
+CONTAINER_UID = 10001
+"""The docker runtime's engine user, inside the container and owning its mounts on the host:
+fimfleet's image creates it (toolchain/image), and the unit runs any image as it (--user)."""
+HEALTH_SCRIPT = "/usr/local/lib/fimfleet/health.py"
+"""The container's health check (files/image/health.py: one streamed token), mounted read-only
+into any image; it needs only python3, which every vLLM image has."""
 LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "requirements-cpu.lock"
 REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
 BANDWIDTH_SCRIPT = "/usr/local/lib/fimfleet/bandwidth.py"
@@ -51,6 +58,27 @@ def unit_paths(node: str) -> tuple[str, str, str]:
 def started_stamp(node: str) -> str:
     """Digest of the unit files the engine last started with (start.sh adopts an engine that matches)."""
     return f"/var/lib/fimfleet/{unit_name(node)}.started"
+
+
+DOCKER_CONFIG = "/etc/fimfleet/docker"
+"""The pull's own docker client config (its registry login), apart from root's ~/.docker."""
+
+
+def registry_login(cfg: StackConfig) -> list[dict]:
+    """The image step's files: the registry login as docker's config.json (0600), when set.
+    The step's files are secret outputs, so the token is encrypted in the state."""
+    if not cfg.runtime.registry_user:
+        return []
+    token = base64.b64encode(f"{cfg.runtime.registry_user}:{cfg.secrets.registry_password}".encode()).decode()
+    registry = grammar.image_registry(cfg.runtime.image or default_image(cfg))
+    return [{"path": f"{DOCKER_CONFIG}/config.json", "mode": "0600",
+             "content": json.dumps({"auths": {registry: {"auth": token}}}, indent=1) + "\n"}]
+
+
+def pulled_list(node: str) -> str:
+    """The images the docker runtime pulled for this node, one per line: a roll keeps the
+    previous one (a rollback needs no pull), and destroy removes them all."""
+    return f"/var/lib/fimfleet/vllm-{node}.images"
 
 
 def model_path(cfg: StackConfig) -> str:
@@ -80,6 +108,7 @@ def memory_max_mib(cfg: StackConfig) -> int:
 
 @dataclass(frozen=True)
 class RenderedRuntime:
+    kind: str
     unit: str
     unit_file: str
     env_file: str
@@ -106,18 +135,22 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
         cap_add=c.cap_add if c else (), security_opt=c.security_opt if c else (), gpus=c.gpus if c else "",
         cpuset=cpu_affinity(cfg), cpu_affinity=cpu_affinity(cfg) if cfg.runtime.kind == "systemd" else "",
         memory_max_mib=memory_max_mib(cfg), port=cfg.engine.port, entrypoint=engine.ENTRYPOINT_MODULE,
+        uid=CONTAINER_UID, health=HEALTH_SCRIPT, start_period_s=cfg.runtime.start_timeout_s,
     )
     env_file = "".join(f"{k}={v}\n" for k, v in sorted(env.items()))
-    return RenderedRuntime(unit=unit, unit_file=unit_file, env_file=env_file,
+    return RenderedRuntime(kind=cfg.runtime.kind, unit=unit, unit_file=unit_file, env_file=env_file,
                            cgroup_dropin=templates.render("runtime/cgroup.conf.j2", oom_score_adjust=OOM_SCORE_ADJUST),
                            launch=launch)
 
 
 def service_files(node: str, r: RenderedRuntime) -> list[dict]:
     unit_file, dropin, env_file = unit_paths(node)
-    return [{"path": unit_file, "mode": "0644", "content": r.unit_file},
-            {"path": dropin, "mode": "0644", "content": r.cgroup_dropin},
-            {"path": env_file, "mode": "0600", "content": r.env_file}]
+    files = [{"path": unit_file, "mode": "0644", "content": r.unit_file},
+             {"path": dropin, "mode": "0644", "content": r.cgroup_dropin},
+             {"path": env_file, "mode": "0600", "content": r.env_file}]
+    if r.kind == "docker":
+        files.append({"path": HEALTH_SCRIPT, "mode": "0644", "content": (templates.FILES / "image/health.py").read_text()})
+    return files
 
 
 def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
@@ -125,10 +158,11 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
     unit = unit_name(node)
     kw = dict(unit=unit, venv=cfg.runtime.venv_path, user=SERVICE_USER, state_dir=STATE_DIR,
               cache_dir=CACHE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
-              env_file=unit_paths(node)[2], stamp=started_stamp(node))
+              env_file=unit_paths(node)[2], stamp=started_stamp(node), uid=CONTAINER_UID,
+              home=f"{WRITABLE_DIR}/home", images=pulled_list(node), health=HEALTH_SCRIPT, docker_config=DOCKER_CONFIG)
     out = {
         "model": templates.render("runtime/model.sh.j2", source=cfg.model.source, model_path=model_path(cfg),
-                                  **{k: kw[k] for k in ("user", "state_dir", "cache_dir")}),
+                                  **{k: kw[k] for k in ("user", "state_dir", "cache_dir", "kind", "uid", "home")}),
         "start": templates.render("runtime/start.sh.j2", timeout_s=cfg.runtime.start_timeout_s,
                                   served_name=engine.served_name(cfg), port=cfg.engine.port,
                                   ready_body=models.readiness_body(cfg.model_spec, engine.served_name(cfg)),
@@ -142,7 +176,8 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
         out["install"] = templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
                                           wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw)
     else:
-        out["install"] = templates.render("runtime/pull-image.sh.j2", image=cfg.runtime.image or default_image(cfg))
+        out["install"] = templates.render("runtime/pull-image.sh.j2", image=cfg.runtime.image or default_image(cfg),
+                                          images=kw["images"], docker_config=DOCKER_CONFIG)
     return out
 
 
@@ -162,6 +197,8 @@ class RuntimeArgs:
     """Every step's script (scripts())."""
     image: str = ""
     """docker: the image the install step pulls."""
+    image_files: list = ()
+    """docker: the install step's files (registry_login)."""
     model_upload: dict | None = None
     """A local model: {local, remote, digest} for the model step's upload."""
 
@@ -176,7 +213,8 @@ def args_for(cfg: StackConfig, node: str) -> RuntimeArgs:
     return RuntimeArgs(node=node, kind=cfg.runtime.kind, vllm_version=cfg.runtime.vllm_version,
                        start_timeout_s=cfg.runtime.start_timeout_s, unit=r.unit, service_files=service_files(node, r),
                        scripts=scripts(cfg, node), model_upload=upload,
-                       image=(cfg.runtime.image or default_image(cfg)) if cfg.runtime.kind == "docker" else "")
+                       image=(cfg.runtime.image or default_image(cfg)) if cfg.runtime.kind == "docker" else "",
+                       image_files=registry_login(cfg) if cfg.runtime.kind == "docker" else [])
 
 
 def reported(stdout: str | None, key: str) -> float | None:
@@ -216,7 +254,9 @@ class VllmRuntime(pulumi.ComponentResource):
                 apply=sh["install"], timeout_s=3600, opts=child)
         else:
             install = RemoteStep(f"{name}-image", label="vLLM image", connection=connection,
-                                 apply=sh["install"], triggers=[args.image], timeout_s=3600, opts=child)
+                                 files=pulumi.Output.secret(list(args.image_files)) if args.image_files else None,
+                                 apply=sh["install"], triggers=[args.image],
+                                 timeout_s=3600, opts=child)
 
         uploads = [args.model_upload] if args.model_upload else None
         model = RemoteStep(f"{name}-model", label="model", connection=connection, uploads=uploads,

@@ -118,7 +118,11 @@ def test_each_gpu_tiers_engine_container_is_what_docker_creates(sh, tier):
     assert env["HOME"].startswith(runtime.WRITABLE_DIR + "/") and env["HF_HOME"].startswith(runtime.WRITABLE_DIR + "/")
     # the engine's arguments reach the image's entry point unchanged, and health is checked
     assert c["Config"]["Cmd"] == list(r.launch.args)
-    assert c["Config"]["Healthcheck"]["Test"] == ["CMD-SHELL", f"curl -fsS http://127.0.0.1:{cfg.engine.port}/health"]
+    assert c["Config"]["Healthcheck"]["Test"] == ["CMD-SHELL", f"python3 {runtime.HEALTH_SCRIPT}"]
+    assert f"{runtime.HEALTH_SCRIPT}:{runtime.HEALTH_SCRIPT}:ro" in hc["Binds"]
+    assert env["FIMFLEET_ENGINE_PORT"] == str(cfg.engine.port)
+    # any image runs as the uid that owns the writable mount on the host, never as root
+    assert c["Config"]["User"] == f"{runtime.CONTAINER_UID}:{runtime.CONTAINER_UID}"
     assert c["Config"]["Image"] == IMAGE
 
 

@@ -284,3 +284,28 @@ def test_a_decode_limit_relative_to_the_ceiling_reaches_the_sla_gate():
     from components.node import sla_thresholds
 
     assert sla_thresholds(cfg).min_decode_ceiling_fraction == 0.7
+
+
+@pytest.mark.parametrize("runtime_cfg, password, plain, key, says", [
+    ({"registryUser": "acme-bot"}, None, False, "registryPassword", "needs its password or token"),
+    ({}, "tok-1234567890", False, "runtime.registryUser", "needs the user it belongs to"),
+    ({"registryUser": "acme-bot"}, "tok-1234567890", True, "registryPassword", "store it as a secret"),
+    ({"registryUser": "acme bot;id"}, "tok-1234567890", False, "runtime.registryUser", "must be a registry user name"),
+])
+def test_a_registry_login_is_a_user_plus_a_secret_password(runtime_cfg, password, plain, key, says):
+    raw, secret = raw_config("gpu-l40s", runtime=runtime_cfg)
+    if password is not None:
+        raw["registryPassword"] = password
+        secret = secret if plain else secret | {"registryPassword"}
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw, secret)
+    found = [p for p in e.value.problems if p.key == key]
+    assert found and says in found[0].fix, e.value.problems
+    assert password is None or password not in str(e.value)
+
+
+def test_a_registry_login_is_for_the_docker_runtime_only():
+    raw, secret = raw_config(runtime={"registryUser": "acme-bot"}, registryPassword="tok-1234567890")
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw, secret | {"registryPassword"})
+    assert [p.key for p in e.value.problems] == ["runtime.registryUser"], e.value.problems

@@ -99,16 +99,18 @@ def hostile_renders(payload: str):
                             state_dir=payload, wheelhouse_url=payload, index_url="")
     yield "install-venv-index", r("runtime/install-venv.sh.j2", venv="/opt/v", lock_path="/l", user="u",
                                   state_dir="/s", wheelhouse_url="", index_url=payload)
-    yield "model", r("runtime/model.sh.j2", source="local", model_path=payload, user=payload, state_dir=payload,
+    yield "model", r("runtime/model.sh.j2", source="local", kind="systemd", model_path=payload, user=payload, state_dir=payload,
                      cache_dir=payload)
-    yield "pull-image", r("runtime/pull-image.sh.j2", image=payload)
+    yield "model-docker", r("runtime/model.sh.j2", source="local", kind="docker", uid=10001, model_path=payload,
+                            user=payload, state_dir=payload, cache_dir=payload, home=payload)
+    yield "pull-image", r("runtime/pull-image.sh.j2", image=payload, images=payload, docker_config=payload)
     yield "bandwidth", r("runtime/bandwidth.sh.j2", venv=payload, script=payload)
     yield "kv-capacity", r("runtime/kv-capacity.sh.j2", port=payload)
     yield "start", r("runtime/start.sh.j2", unit=payload, served_name=payload, port=payload, timeout_s=0,
                      **_start_extras(payload))
     yield "runtime-destroy", r("runtime/destroy.sh.j2", unit=payload, kind="docker", container=payload,
                                env_file=payload, venv=payload, state_dir=payload, cache_dir=payload, user=payload,
-                               stamp=payload)
+                               stamp=payload, images=payload, health=payload, home=payload, docker_config=payload)
     yield "runtime-check", r("runtime/check.sh.j2", unit=payload)
     verify = r("kernel/verify.sh.j2", sysctl={payload: payload}, sysfs={payload: payload}, limits={payload: payload},
                limits_path=payload)

@@ -239,3 +239,33 @@ def test_the_watchdog_is_the_hosts_own_step_and_leaves_the_monitor_alone():
     assert _changed(off, on) == [] and set(on) - set(off) == {"node-watchdog"}
     assert [f["path"] for f in on["node-watchdog"]["files"]] == ["/etc/systemd/system.conf.d/90-fimfleet-watchdog.conf"]
     assert "daemon-reexec" in on["node-watchdog"]["apply"] and "daemon-reexec" in on["node-watchdog"]["destroy"]
+
+
+REGISTRY_TOKEN = "ghp_" + "r3g1stry" * 5
+
+
+@pytest.mark.parametrize("tier", ["gpu-l40s"])
+@pulumi.runtime.test
+def test_a_registry_login_reaches_only_the_image_step_and_stays_secret(recorder, tier):
+    raw, secret = raw_config(tier, runtime={"image": "ghcr.io/acme/vllm@sha256:" + "a" * 64, "registryUser": "acme-bot"},
+                             registryPassword=REGISTRY_TOKEN)
+    fleet = Fleet("fleet", args_for(config.parse(raw, secret | {"registryPassword"})))
+
+    def check(_):
+        regs = by_name(recorder)
+        step = regs["node-runtime-image"]
+        assert "files" in step["secret_fields"]
+        (login,) = step["inputs"]["files"]["value"]  # a secret: the engine stores it encrypted
+        assert login["path"] == "/etc/fimfleet/docker/config.json" and login["mode"] == "0600"
+        import base64
+        import json
+
+        auth = json.loads(login["content"])["auths"]["ghcr.io"]["auth"]
+        assert base64.b64decode(auth).decode() == f"acme-bot:{REGISTRY_TOKEN}"
+        for name, r in regs.items():
+            plain = {k: v for k, v in r["inputs"].items() if k not in r["secret_fields"]}
+            assert REGISTRY_TOKEN not in repr(plain) and auth not in repr(plain), name
+            if name != "node-runtime-image":
+                assert auth not in repr(r["inputs"]), f"the registry login reached {name}"
+
+    return settle(fleet).apply(check)
