@@ -71,3 +71,16 @@ def test_health_fails_when_nothing_listens():
         port = fake.port
     r = health(port)
     assert r.returncode == 1 and "unhealthy: URLError" in r.stderr
+
+
+@pytest.mark.parametrize("dest", ["ghcr.io/acme", "127.0.0.1:5959", "registry.example.com:5000/team/sub", "localhost:5000"])
+def test_a_push_destination_that_can_be_pulled_is_accepted(dest):
+    assert build.push_destination(dest) == dest
+
+
+@pytest.mark.parametrize("dest", ["ghcr.io/Acme", "acme", "ghcr.io/acme/", "ghcr.io;rm -rf /", "ghcr.io/a b",
+                                  "ghcr.io:99999x", "$(id).io", ""])
+def test_a_push_destination_outside_the_image_grammar_is_one_clear_error(dest):
+    with pytest.raises(SystemExit) as e:
+        build.push_destination(dest)
+    assert f"push destination {dest!r}" in str(e.value) and "like ghcr.io/acme" in str(e.value)

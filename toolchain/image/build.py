@@ -17,6 +17,7 @@ Builds and pushes hold one lock, so two runs at once build once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -24,7 +25,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +42,13 @@ CACHE = Path(os.environ.get("FIMFLEET_CACHE", Path.home() / ".cache" / "fimfleet
 IMAGE_CACHE = CACHE / "image"
 STORAGE = ["--root", str(IMAGE_CACHE / "storage"), "--runroot", str(IMAGE_CACHE / "run"), "--storage-driver", "vfs"]
 REPO = "fimfleet/vllm-cpu"
-UID = 10001
+UID = runtime.CONTAINER_UID
 REGISTRY_PORT = int(os.environ.get("FIMFLEET_REGISTRY_PORT", "5959"))
 REGISTRY = f"127.0.0.1:{REGISTRY_PORT}"
-"""The test registry, on loopback only. The test VM reaches it as 10.0.2.2 (QEMU user networking)."""
+"""The test registry, on loopback only."""
+GUEST_REGISTRY = f"10.0.2.2:{REGISTRY_PORT}"
+"""The same registry as the test VM reaches it (QEMU user networking; the docker variant's
+dockerd allows it over plain HTTP, toolchain/testbed/variants/docker.sh)."""
 ROOTFS_EXCLUDES = ("./boot", "./lib/modules", "./usr/lib/modules", "./etc/ssh/ssh_host_*", "./root/.ssh",
                    "./var/cache/apt/archives/*.deb", "./etc/machine-id")
 """What a VM needs and a container must not carry: a kernel, its modules, the testbed's host keys."""
@@ -53,6 +59,24 @@ MANIFEST_TYPES = "application/vnd.docker.distribution.manifest.v2+json, applicat
 
 def say(msg: str) -> None:
     print(f"fimfleet: image: {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _progress(what: str, every_s: float = 30):
+    """A line every `every_s` while a long quiet step runs (pip -q inside buildah prints nothing)."""
+    t0, done = time.monotonic(), threading.Event()
+
+    def beat():
+        while not done.wait(every_s):
+            say(f"{what}: {time.monotonic() - t0:.0f} s so far")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def context_files(allocator: str = "jemalloc") -> dict[str, str]:
@@ -114,8 +138,9 @@ def build() -> dict:
         iid = ctx / "iid"
         # --format docker: the OCI image config has no HEALTHCHECK and buildah would drop it.
         # No --layers: vfs stores every layer as a full copy of the tree, so each stage commits once.
-        run(["buildah", *STORAGE, "bud", "--isolation", "chroot", "--format", "docker", "--iidfile", str(iid),
-             "-f", str(ctx / "Dockerfile"), str(ctx)], capture=False)
+        with _progress("buildah bud"):
+            run(["buildah", *STORAGE, "bud", "--isolation", "chroot", "--format", "docker", "--iidfile", str(iid),
+                 "-f", str(ctx / "Dockerfile"), str(ctx)], capture=False)
         image_id = iid.read_text().strip()
         tag = f"localhost/{REPO}:{image_id.split(':')[-1][:12]}"  # tagged by the content digest
         run(["buildah", *STORAGE, "tag", image_id, tag], capture=False)
@@ -176,10 +201,64 @@ def push(info: dict, dest: str) -> str:
             done.unlink()
         if not done.exists():
             dg = IMAGE_CACHE / info["key"] / "digest.tmp"
-            run(["buildah", *STORAGE, "push", f"--tls-verify={str(not local).lower()}",
-                 "--digestfile", str(dg), info["tag"], f"docker://{dest}/{REPO}"], capture=False)
+            with _progress(f"push to {dest}"):
+                run(["buildah", *STORAGE, "push", f"--tls-verify={str(not local).lower()}",
+                     "--digestfile", str(dg), info["tag"], f"docker://{dest}/{REPO}"], capture=False)
             dg.rename(done)
         return f"{dest}/{REPO}@{done.read_text().strip()}"
+
+
+def _http(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read(), r.headers
+
+
+def _manifest(ref: str) -> tuple[str, str, str, dict]:
+    """(registry, repo, API base, manifest) of host/repo@sha256:... in a plain-HTTP registry."""
+    host_repo, digest = ref.split("@", 1)
+    reg, repo = host_repo.split("/", 1)
+    base = f"http://{reg}/v2/{repo}"
+    return reg, repo, base, json.loads(_http("GET", f"{base}/manifests/{digest}", headers={"Accept": MANIFEST_TYPES})[0])
+
+
+def config_digest(ref: str) -> str:
+    """The digest of the image config that `ref` names: docker's image id once pulled."""
+    return _manifest(ref)[3]["config"]["digest"]
+
+
+def relabel(ref: str, label: str, value: str) -> str:
+    """Another digest of the same image, for a roll without a rebuild: its config with one
+    more label, the same layers (a pull fetches two small blobs). `ref`: host/repo@sha256:...
+    in a plain-HTTP registry (the test registry). Returns the new host/repo@sha256:..."""
+    reg, repo, base, manifest = _manifest(ref)
+    conf = json.loads(_http("GET", f"{base}/blobs/{manifest['config']['digest']}")[0])
+    conf.setdefault("config", {}).setdefault("Labels", {})[label] = value
+    blob = json.dumps(conf, sort_keys=True).encode()
+    blob_digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    _, headers = _http("POST", f"{base}/blobs/uploads/", b"")
+    location = headers["Location"]
+    location = location if location.startswith("http") else f"http://{reg}{location}"
+    _http("PUT", f"{location}{'&' if '?' in location else '?'}digest={blob_digest}", blob,
+          {"Content-Type": "application/octet-stream"})
+    manifest["config"].update(digest=blob_digest, size=len(blob))
+    body = json.dumps(manifest, indent=3).encode()
+    _, headers = _http("PUT", f"{base}/manifests/{label}-{value}", body, {"Content-Type": manifest["mediaType"]})
+    return f"{reg}/{repo}@{headers['Docker-Content-Digest']}"
+
+
+def push_destination(dest: str) -> str:
+    """A push DEST: a registry host[:port], optionally with a namespace (ghcr.io/acme); checked
+    by the image grammar that the stack's runtime.image meets, so what is pushed can be pulled."""
+    from components import grammar
+
+    host = dest.split("/", 1)[0]
+    registry_host = "." in host or ":" in host or host == "localhost"
+    problem = grammar.image(f"{dest}/{REPO}@sha256:{'0' * 64}") if registry_host else "names no registry host"
+    if problem or dest.endswith("/"):
+        raise SystemExit(f"fimfleet: image: push destination {dest!r}: must be a registry host[:port], optionally "
+                         f"with a namespace, like ghcr.io/acme or 127.0.0.1:{REGISTRY_PORT} ({problem or 'trailing /'})")
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "build":
         print(build()["tag"])
     else:
-        print(push(build(), a.dest or registry()))
+        dest = push_destination(a.dest) if a.dest else registry()
+        print(push(build(), dest))
     return 0
 
 
