@@ -54,13 +54,16 @@ def _steps(cfg: config.StackConfig) -> dict:
             # only what the engine's start runs: a changed check or destroy script keeps the snapshot
             "scripts": {k: v for k, v in runtime.scripts(cfg, NODE).items() if k in ("install", "model", "start")},
             "files": runtime.service_files(NODE, r),
-            "lock": runtime.LOCK_FILE.read_text(), "model": cfg.model.local_path,
+            "lock": runtime.LOCK_FILE.read_text(), "model": cfg.model.local_path, "kind": cfg.runtime.kind,
             "remote_model": runtime.model_path(cfg)}
 
 
 def snapshot_key(base: dict, steps: dict) -> str:
-    """The booted snapshot it grows from, and everything that reaches the engine."""
-    return templates.digest(base["dir"], base.get("created_at"), steps["packages"], steps["scripts"],
+    """The booted snapshot it grows from, and everything that reaches the engine. The docker
+    runtime's unit names its image by digest, so how the pull reports progress does not count."""
+    scripts = steps["scripts"] if steps["kind"] == "systemd" else {k: v for k, v in steps["scripts"].items()
+                                                                   if k != "install"}
+    return templates.digest(base["dir"], base.get("created_at"), steps["packages"], scripts,
                             steps["files"], steps["lock"], steps["remote_model"], remote.dir_digest(steps["model"]))
 
 
@@ -80,8 +83,9 @@ def provision(vm_state: Path, steps: dict, start_timeout_s: float) -> str:
     sh = steps["scripts"]
     with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(vm_state)))) as client:
         _run(client, "packages", steps["packages"], 1800)
-        remote.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
-        _run(client, "vLLM virtualenv", sh["install"], 3600)
+        if steps["kind"] == "systemd":
+            remote.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
+        _run(client, "vLLM virtualenv" if steps["kind"] == "systemd" else "engine image pull", sh["install"], 3600)
         remote.put_dir(client, steps["model"], steps["remote_model"])
         _run(client, "model", sh["model"], 600)
         remote.put_files(client, steps["files"])
@@ -100,12 +104,22 @@ def _in_use(path: Path) -> bool:
     return False
 
 
-def ensure(vm, config_file: Path, cache: Path, env: dict) -> Path:
-    """The serving snapshot for this stack file, built if missing. `vm` runs vm.py (local_deploy.vm)."""
+def _variant(sdir: Path) -> str | None:
+    """The image variant a snapshot grew from (None: no readable manifest, a broken one)."""
+    try:
+        return json.loads((sdir / "manifest.json").read_text()).get("variant")
+    except (OSError, ValueError):
+        return None
+
+
+def ensure(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm") -> Path:
+    """The serving snapshot for this stack file, built if missing. `vm` runs vm.py (local_deploy.vm);
+    `variant`: the image it grows from (vllm: the venv is there; docker: dockerd is, and the
+    engine image is pulled from the stack's runtime.image, so that registry must answer)."""
     root = cache / "testbed" / "serving"
     root.mkdir(parents=True, exist_ok=True)
     build_state = root / f"builder-{secrets.token_hex(4)}"
-    base = vm("snapshot", "--variant", "vllm", state=build_state, env=env)
+    base = vm("snapshot", "--variant", variant, state=build_state, env=env)
     cfg = stack_config(config_file, build_state)
     steps = _steps(cfg)
     sdir = root / snapshot_key(base, steps)
@@ -118,15 +132,15 @@ def ensure(vm, config_file: Path, cache: Path, env: dict) -> Path:
         t0 = time.monotonic()
         say(f"building {sdir} (once per runtime change): restoring the booted VM")
         try:
-            vm("restore", "--variant", "vllm", state=build_state, env=env)
+            vm("restore", "--variant", variant, state=build_state, env=env)
             started = json.loads(provision(build_state, steps, cfg.runtime.start_timeout_s).strip().splitlines()[-1])
             vm("save", "--to", str(sdir), "--label", json.dumps({"engine": runtime.unit_name(NODE), **started}),
                state=build_state)
         finally:
             vm("stop", "--purge", state=build_state, check=False)
         say(f"built in {time.monotonic() - t0:.0f} s (engine ready after {started['ready_after_s']} s)")
-    for stale in root.iterdir():  # older keys: a runtime that no longer deploys
+    for stale in root.iterdir():  # older keys of this variant: a runtime that no longer deploys
         if stale.is_dir() and stale != sdir and "." not in stale.name and not stale.name.startswith("builder-") \
-                and not _in_use(stale):
+                and _variant(stale) in (variant, None) and not _in_use(stale):
             shutil.rmtree(stale, ignore_errors=True)
     return sdir

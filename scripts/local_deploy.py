@@ -67,11 +67,13 @@ def vm(*args, state: Path, **kw) -> dict:
     return json.loads(out) if out.strip().startswith("{") else {}
 
 
-def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False) -> dict:
+def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False,
+             variant: str = VARIANT) -> dict:
     """A fresh VM with guest 443 forwarded to a free local port: restored from the snapshot whose
     engine already serves `serving_config`'s runtime (scripts/engine_snapshot.py), or, without
-    it, from the vllm variant's booted snapshot (the engine then starts during `pulumi up`).
-    `same_ports`: the stopped VM's ssh and https ports, as a host reinstalled under its address."""
+    it, from the variant's booted snapshot (the engine then starts during `pulumi up`).
+    `same_ports`: the stopped VM's ssh and https ports, as a host reinstalled under its address.
+    `variant`: vllm (the systemd runtime's venv) or docker (the docker runtime's daemon)."""
     env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
     ports = []
@@ -79,16 +81,16 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
         status = vm("status", state=state, check=False)
         if same_ports:
             ports = ["--ssh-port", str(status["ports"]["22"]), "--forward", f"{status['ports']['443']}:443"]
-        if not same_ports and status.get("running") and status.get("variant") == VARIANT and "443" in status.get("ports", {}):
+        if not same_ports and status.get("running") and status.get("variant") == variant and "443" in status.get("ports", {}):
             # The deployed node lives on this VM: a rerun converges on it instead of starting over.
             say(f"reusing the running test VM in {state}")
             return status
     say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
     if serving_config is None:
-        return vm("restore", "--variant", VARIANT, *(ports or ["--forward", "443"]), state=state, env=env)
+        return vm("restore", "--variant", variant, *(ports or ["--forward", "443"]), state=state, env=env)
     from scripts import engine_snapshot
 
-    sdir = engine_snapshot.ensure(vm, serving_config, CACHE, env)
+    sdir = engine_snapshot.ensure(vm, serving_config, CACHE, env, variant=variant)
     say(f"restoring a VM whose engine already serves this stack's runtime ({sdir}); `pulumi up` adopts it")
     return vm("restore", "--snapshot", str(sdir), *(ports or ["--forward", "443"]), state=state, env=env)
 
@@ -101,14 +103,15 @@ def fimfleet_pulumi(*args, capture=True, check=True, input=None, timeout=3600) -
     return run([ROOT / "fimfleet", "pulumi", *args], capture=capture, check=check, input=input, timeout=timeout)
 
 
-def stack_config(config_file: Path, state: Path, model_dir: str, extra: dict | None = None) -> Path:
-    """The local stack's config, with generated keys kept across runs."""
+def stack_config(config_file: Path, state: Path, model_dir: str, extra: dict | None = None,
+                 stack: str = "local") -> Path:
+    """A local stack's config (stacks/Pulumi.<stack>.yaml), with generated keys kept across runs."""
     fresh = not config_file.exists()
     if fresh:
         config_file.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / "stacks" / "Pulumi.local.yaml", config_file)
-    fimfleet_pulumi("stack", "select", "--create", "local")
-    cf = ["--config-file", str(config_file), "-s", "local"]
+        shutil.copy(ROOT / "stacks" / f"Pulumi.{stack}.yaml", config_file)
+    fimfleet_pulumi("stack", "select", "--create", stack)
+    cf = ["--config-file", str(config_file), "-s", stack]
     fimfleet_pulumi("config", "set", "--path", "fimfleet:host.testbedState", str(state), *cf)
     fimfleet_pulumi("config", "set", "--path", "fimfleet:model.localPath", model_dir, *cf)
     if fresh:
@@ -160,8 +163,8 @@ def previous_outputs() -> dict:
     return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else {}
 
 
-def outputs(config_file: Path, show_secrets=False) -> dict:
-    args = ["stack", "output", "-s", "local", "--json"] + (["--show-secrets"] if show_secrets else [])
+def outputs(config_file: Path, show_secrets=False, stack: str = "local") -> dict:
+    args = ["stack", "output", "-s", stack, "--json"] + (["--show-secrets"] if show_secrets else [])
     return json.loads(fimfleet_pulumi(*args))
 
 

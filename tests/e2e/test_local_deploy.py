@@ -22,12 +22,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from components import config as fconfig
-from components import host, kernel, remote
+from components import host, kernel
 from scripts import local_deploy as ld
+from tests.e2e.local_stack import Node, client, keys, one_completion, shown
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
@@ -48,29 +48,6 @@ def program_at(commit: str, dest: Path) -> Path | None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     (dest / ".venv").symlink_to(ld.ROOT / ".venv")
     return dest
-
-
-class Node:
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.state = tmp / "vm"
-        self.config_file = tmp / "Pulumi.local.yaml"
-        self.up_seconds = None
-        self.wiped_up = None  # test_07f's up, which test_07g also judges
-
-    def ssh(self, script: str, timeout=120) -> tuple[int, str, str]:
-        with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(self.state)))) as client:
-            return remote.run(client, script, timeout_s=timeout)
-
-    def outputs(self, secrets=False) -> dict:
-        return ld.outputs(self.config_file, show_secrets=secrets)
-
-    def pulumi(self, *args, check=False, program: Path | None = None) -> subprocess.CompletedProcess:
-        """The real CLI on this stack; `program`: another tree's Pulumi program (program_at)."""
-        where = ["--cwd", str(program)] if program else []
-        return subprocess.run([str(ld.ROOT / "fimfleet"), "pulumi", *args, *where, "-s", "local", "--non-interactive",
-                               "--config-file", str(self.config_file)], cwd=ld.ROOT, capture_output=True, text=True,
-                              timeout=3600, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -102,34 +79,6 @@ def node(tmp_path_factory):
     n.pulumi("destroy", "--yes")
     ld.stop_vm(n.state)
     mp.undo()
-
-
-def shown(proc: subprocess.CompletedProcess) -> str:
-    """What a failed CLI run said: its steps and Diagnostics, without the Outputs block (the
-    dashboard JSON alone would fill any tail), and the end of stderr."""
-    text = re.sub(r"\nOutputs:\n.*?(?=\nResources:)", "\n<outputs left out>", proc.stdout, flags=re.S)
-    return text[-8000:] + "\n--- stderr ---\n" + (proc.stderr or "")[-2000:]
-
-
-def keys(node) -> dict[str, str]:
-    raw = node.pulumi("config", "--show-secrets", "--json", check=True).stdout
-    return json.loads(json.loads(raw)["fimfleet:apiKeys"]["value"])
-
-
-def client(node) -> httpx.Client:
-    out = node.outputs()
-    ca = node.tmp / "ca.pem"
-    ca.write_text(out["caPem"])
-    return httpx.Client(base_url=out["endpoint"], verify=str(ca), timeout=120)
-
-
-def one_completion(node) -> None:
-    """A two-token FIM completion through the ingress, TLS verified against the caPem output."""
-    with client(node) as c:
-        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {next(iter(keys(node).values()))}"},
-                   json={"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>",
-                         "max_tokens": 2})
-        assert r.status_code == 200, r.text
 
 
 def _served_not_after(node) -> dt.datetime:

@@ -115,7 +115,7 @@ def fake_testbed(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("stack", STACKS)
 def test_preview_every_stack(stack, tmp_path):
     extra = {}
-    if stack == "local":
+    if stack.startswith("local"):
         extra["fimfleet:host.testbedState"] = str(fake_testbed(tmp_path))
         model = tmp_path / "tiny-model"
         model.mkdir()

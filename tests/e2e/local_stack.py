@@ -1,0 +1,65 @@
+"""One local stack on a test VM, driven through the real CLI: what the e2e modules share."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from components import host, remote
+from scripts import local_deploy as ld
+
+
+class Node:
+    def __init__(self, tmp: Path, stack: str = "local"):
+        self.tmp = tmp
+        self.stack = stack
+        self.state = tmp / "vm"
+        self.config_file = tmp / f"Pulumi.{stack}.yaml"
+        self.up_seconds = None
+        self.wiped_up = None  # test_local_deploy's test_07f's up, which test_07g also judges
+
+    def ssh(self, script: str, timeout=120) -> tuple[int, str, str]:
+        with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(self.state)))) as client:
+            return remote.run(client, script, timeout_s=timeout)
+
+    def outputs(self, secrets=False) -> dict:
+        return ld.outputs(self.config_file, show_secrets=secrets, stack=self.stack)
+
+    def pulumi(self, *args, check=False, program: Path | None = None) -> subprocess.CompletedProcess:
+        """The real CLI on this stack; `program`: another tree's Pulumi program (program_at)."""
+        where = ["--cwd", str(program)] if program else []
+        return subprocess.run([str(ld.ROOT / "fimfleet"), "pulumi", *args, *where, "-s", self.stack,
+                               "--non-interactive", "--config-file", str(self.config_file)], cwd=ld.ROOT,
+                              capture_output=True, text=True, timeout=3600, check=check)
+
+
+def shown(proc: subprocess.CompletedProcess) -> str:
+    """What a failed CLI run said: its steps and Diagnostics, without the Outputs block (the
+    dashboard JSON alone would fill any tail), and the end of stderr."""
+    text = re.sub(r"\nOutputs:\n.*?(?=\nResources:)", "\n<outputs left out>", proc.stdout, flags=re.S)
+    return text[-8000:] + "\n--- stderr ---\n" + (proc.stderr or "")[-2000:]
+
+
+def keys(node) -> dict[str, str]:
+    raw = node.pulumi("config", "--show-secrets", "--json", check=True).stdout
+    return json.loads(json.loads(raw)["fimfleet:apiKeys"]["value"])
+
+
+def client(node) -> httpx.Client:
+    out = node.outputs()
+    ca = node.tmp / "ca.pem"
+    ca.write_text(out["caPem"])
+    return httpx.Client(base_url=out["endpoint"], verify=str(ca), timeout=120)
+
+
+def one_completion(node) -> None:
+    """A two-token FIM completion through the ingress, TLS verified against the caPem output."""
+    with client(node) as c:
+        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {next(iter(keys(node).values()))}"},
+                   json={"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>",
+                         "max_tokens": 2})
+        assert r.status_code == 200, r.text
