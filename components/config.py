@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from components import ingress_render, models, sizing
-from components.cloud_types import PROVIDERS
+from components.cloud_types import PROVIDERS, plain_credentials
 from components.tiers import TIERS, Tier
 
 NAMESPACE = "fimfleet"
@@ -141,8 +141,7 @@ class RuntimeConfig:
     start_timeout_s: int = key(check=_range(30, 7200))
     allocator: str = key(choices=("jemalloc", "tcmalloc", "none"), default="jemalloc")
     registry_user: str = key(default="")
-    """docker: the user for image's registry (GHCR, ECR, Docker Hub); its password or token is
-    the secret fimfleet:registryPassword."""
+    """docker: the login for the image's registry; its password is the secret registryPassword."""
 
 
 @dataclass(frozen=True)
@@ -399,9 +398,8 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
         if sk in raw and sk not in secret_keys:
             problems.append(Problem(sk, "<plain text>", f"store it as a secret: pulumi config set --secret {NAMESPACE}:{sk} ..."))
     api_keys = checks.check_api_keys(raw.get("apiKeys"), problems)
-    secrets = Secrets(ssh_private_key=raw.get("sshPrivateKey", ""), api_keys=api_keys,
-                      hf_token=raw.get("hfToken", ""), tls_cert=raw.get("tlsCert", ""), tls_key=raw.get("tlsKey", ""),
-                      registry_password=raw.get("registryPassword", ""))
+    secrets = Secrets(api_keys=api_keys, **{re.sub("([A-Z])", r"_\1", k).lower(): raw.get(k, "")
+                                           for k in SECRET_KEYS if k != "apiKeys"})
 
     model, engine, runtime, ingress = sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
     model_spec = checks.check_model(model, tier, problems)
@@ -474,9 +472,7 @@ def from_pulumi() -> StackConfig:
 
 def from_mapping(values: dict[str, str], secret_full_keys: frozenset[str]) -> StackConfig:
     """Validate a stack's config as Pulumi hands it over: full `namespace:key` names, JSON-encoded values."""
-    raw, secret = {}, set()
-    prefix = NAMESPACE + ":"
-    foreign = []
+    raw, secret, foreign, prefix = {}, set(), [], NAMESPACE + ":"
     for full, value in values.items():
         if not full.startswith(prefix):
             if full.split(":", 1)[0] not in OTHER_NAMESPACES:
@@ -494,7 +490,6 @@ def from_mapping(values: dict[str, str], secret_full_keys: frozenset[str]) -> St
     for k in ("sshPrivateKey", "hfToken", "tlsCert", "tlsKey", "registryPassword", "tier"):
         if k in raw and not isinstance(raw[k], str):
             raw[k] = values[prefix + k]
-    from components.cloud_types import plain_credentials
     foreign += plain_credentials(values, secret_full_keys)
     try:
         cfg = parse(raw, frozenset(secret))
