@@ -150,7 +150,7 @@ def check_engine(engine, host, tier, spec, problems):
             problems.append(Problem(f"engine.env.{k}", v, msg))
 
 
-def check_runtime(runtime, tier, problems, secrets=None):
+def check_runtime(runtime, tier, problems, secrets):
     if tier.device == "gpu" and runtime.kind == "systemd":
         problems.append(Problem("runtime.kind", runtime.kind, "GPU tiers run the vllm/vllm-openai container: use docker"))
     if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", runtime.vllm_version or ""):
@@ -159,7 +159,7 @@ def check_runtime(runtime, tier, problems, secrets=None):
         _grammar(problems, f"runtime.{camel(k)}", getattr(runtime, k), grammar.url)
     _grammar(problems, "runtime.image", runtime.image, grammar.image)
     _grammar(problems, "runtime.registryUser", runtime.registry_user, grammar.registry_user)
-    password = bool(secrets and secrets.registry_password)
+    password = bool(secrets.registry_password)
     if runtime.registry_user or password:
         if runtime.kind != "docker":
             problems.append(Problem("runtime.registryUser", runtime.registry_user or "<unset>",

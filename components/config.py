@@ -20,6 +20,7 @@ NAMESPACE = "fimfleet"
 OTHER_NAMESPACES = ("pulumi", "hcloud", "aws", "digitalocean")
 """Config namespaces that belong to Pulumi itself or to the cloud providers fimfleet uses."""
 SECRET_KEYS = ("sshPrivateKey", "apiKeys", "hfToken", "tlsCert", "tlsKey", "registryPassword")
+STRING_SECRETS = tuple(k for k in SECRET_KEYS if k != "apiKeys")
 
 
 @dataclass(frozen=True)
@@ -398,8 +399,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
         if sk in raw and sk not in secret_keys:
             problems.append(Problem(sk, "<plain text>", f"store it as a secret: pulumi config set --secret {NAMESPACE}:{sk} ..."))
     api_keys = checks.check_api_keys(raw.get("apiKeys"), problems)
-    secrets = Secrets(api_keys=api_keys, **{re.sub("([A-Z])", r"_\1", k).lower(): raw.get(k, "")
-                                           for k in SECRET_KEYS if k != "apiKeys"})
+    secrets = Secrets(api_keys=api_keys, **{re.sub("([A-Z])", r"_\1", k).lower(): raw.get(k, "") for k in STRING_SECRETS})
 
     model, engine, runtime, ingress = sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
     model_spec = checks.check_model(model, tier, problems)
@@ -487,7 +487,7 @@ def from_mapping(values: dict[str, str], secret_full_keys: frozenset[str]) -> St
         if full in secret_full_keys:
             secret.add(short)
     # A plain string that happens to parse as JSON (e.g. "8000") stays a string only where a string is wanted.
-    for k in ("sshPrivateKey", "hfToken", "tlsCert", "tlsKey", "registryPassword", "tier"):
+    for k in (*STRING_SECRETS, "tier"):
         if k in raw and not isinstance(raw[k], str):
             raw[k] = values[prefix + k]
     foreign += plain_credentials(values, secret_full_keys)

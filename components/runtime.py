@@ -29,6 +29,7 @@ WRITABLE_DIR = "/var/cache/fimfleet"
 cache (CACHE_DIR, HF_HOME at the same path inside) and the engine's HOME, where vLLM, Triton
 and torch keep their compile caches across restarts."""
 CACHE_DIR = f"{WRITABLE_DIR}/hf"
+HOME_DIR = f"{WRITABLE_DIR}/home"
 SERVICE_USER = "fimfleet-vllm"
 CONTAINER_UID = 10001
 """The docker runtime's engine user, inside the container and owning its mounts on the host:
@@ -70,7 +71,7 @@ def registry_login(cfg: StackConfig) -> list[dict]:
     if not cfg.runtime.registry_user:
         return []
     token = base64.b64encode(f"{cfg.runtime.registry_user}:{cfg.secrets.registry_password}".encode()).decode()
-    registry = grammar.image_registry(cfg.runtime.image or default_image(cfg))
+    registry = grammar.image_registry(image_ref(cfg))
     return [{"path": f"{DOCKER_CONFIG}/config.json", "mode": "0600",
              "content": json.dumps({"auths": {registry: {"auth": token}}}, indent=1) + "\n"}]
 
@@ -86,6 +87,11 @@ def model_path(cfg: StackConfig) -> str:
     if cfg.model.source == "local":
         return f"{STATE_DIR}/models/{Path(cfg.model.local_path).name}"
     return cfg.model.id
+
+
+def image_ref(cfg: StackConfig) -> str:
+    """The image the docker runtime runs: the stack's, else vLLM's official one for the version."""
+    return cfg.runtime.image or default_image(cfg)
 
 
 def default_image(cfg: StackConfig) -> str:
@@ -128,10 +134,10 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
     unit_file = templates.render(
         "runtime/vllm.service.j2", node=node, kind=cfg.runtime.kind, model=cfg.model.id,
         env_file=unit_paths(node)[2], user=SERVICE_USER, preload=PRELOAD[cfg.runtime.allocator],
-        state_dir=STATE_DIR, cache_dir=CACHE_DIR, writable_dir=WRITABLE_DIR, home=f"{WRITABLE_DIR}/home",
+        state_dir=STATE_DIR, cache_dir=CACHE_DIR, writable_dir=WRITABLE_DIR, home=HOME_DIR,
         venv=cfg.runtime.venv_path,
         args=" ".join(shlex.quote(a) for a in launch.args), container=f"vllm-{node}",
-        image=cfg.runtime.image or default_image(cfg), shm_gib=c.shm_size_gib if c else 4,
+        image=image_ref(cfg), shm_gib=c.shm_size_gib if c else 4,
         cap_add=c.cap_add if c else (), security_opt=c.security_opt if c else (), gpus=c.gpus if c else "",
         cpuset=cpu_affinity(cfg), cpu_affinity=cpu_affinity(cfg) if cfg.runtime.kind == "systemd" else "",
         memory_max_mib=memory_max_mib(cfg), port=cfg.engine.port, entrypoint=engine.ENTRYPOINT_MODULE,
@@ -159,7 +165,7 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
     kw = dict(unit=unit, venv=cfg.runtime.venv_path, user=SERVICE_USER, state_dir=STATE_DIR,
               cache_dir=CACHE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
               env_file=unit_paths(node)[2], stamp=started_stamp(node), uid=CONTAINER_UID,
-              home=f"{WRITABLE_DIR}/home", images=pulled_list(node), health=HEALTH_SCRIPT, docker_config=DOCKER_CONFIG)
+              home=HOME_DIR, images=pulled_list(node), health=HEALTH_SCRIPT, docker_config=DOCKER_CONFIG)
     out = {
         "model": templates.render("runtime/model.sh.j2", source=cfg.model.source, model_path=model_path(cfg),
                                   **{k: kw[k] for k in ("user", "state_dir", "cache_dir", "kind", "uid", "home")}),
@@ -176,7 +182,7 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
         out["install"] = templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
                                           wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw)
     else:
-        out["install"] = templates.render("runtime/pull-image.sh.j2", image=cfg.runtime.image or default_image(cfg),
+        out["install"] = templates.render("runtime/pull-image.sh.j2", image=image_ref(cfg),
                                           images=kw["images"], docker_config=DOCKER_CONFIG)
     return out
 
@@ -213,7 +219,7 @@ def args_for(cfg: StackConfig, node: str) -> RuntimeArgs:
     return RuntimeArgs(node=node, kind=cfg.runtime.kind, vllm_version=cfg.runtime.vllm_version,
                        start_timeout_s=cfg.runtime.start_timeout_s, unit=r.unit, service_files=service_files(node, r),
                        scripts=scripts(cfg, node), model_upload=upload,
-                       image=(cfg.runtime.image or default_image(cfg)) if cfg.runtime.kind == "docker" else "",
+                       image=image_ref(cfg) if cfg.runtime.kind == "docker" else "",
                        image_files=registry_login(cfg) if cfg.runtime.kind == "docker" else [])
 
 

@@ -71,7 +71,7 @@ def create(sh, cfg: config.StackConfig, name: str) -> tuple[dict, runtime.Render
     """The rendered `docker run` as `docker create` under `name`, with the env file in place."""
     r = runtime.render(cfg, "node")
     argv = docker_run_argv(r.unit_file)
-    image = cfg.runtime.image or runtime.default_image(cfg)
+    image = runtime.image_ref(cfg)
     at, named = argv.index(image), argv.index("--name")
     argv = ["docker", "create", *argv[2:named + 1], name, *argv[named + 2:at], IMAGE, *argv[at + 1:]]
     env_path = runtime.unit_paths("node")[2]

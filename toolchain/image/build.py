@@ -83,7 +83,7 @@ def context_files(allocator: str = "jemalloc") -> dict[str, str]:
     """The Dockerfile and the health check, rendered: the pure part of the build."""
     dockerfile = templates.render(
         "image/Dockerfile.j2", suite="bookworm", venv=RuntimeConfig().venv_path, uid=UID,
-        user=runtime.SERVICE_USER, home=f"{runtime.WRITABLE_DIR}/home", preload=runtime.PRELOAD[allocator],
+        user=runtime.SERVICE_USER, home=runtime.HOME_DIR, preload=runtime.PRELOAD[allocator],
         packages=["libnuma1", *host.ALLOCATOR_PACKAGES[allocator]], port=8000, entrypoint=engine.ENTRYPOINT_MODULE)
     return {"Dockerfile": dockerfile, "health.py": (templates.FILES / "image" / "health.py").read_text()}
 
@@ -156,8 +156,11 @@ def build() -> dict:
 
 
 def _answers(url: str, accept: str = "*/*") -> bool:
-    return subprocess.run(["curl", "-fsS", "-o", "/dev/null", "-H", f"Accept: {accept}", url],
-                          stderr=subprocess.DEVNULL).returncode == 0
+    try:
+        _http("GET", url, headers={"Accept": accept})
+        return True
+    except OSError:  # refused, timed out, or an HTTP error status (urllib's HTTPError is an OSError)
+        return False
 
 
 def registry() -> str:
@@ -252,8 +255,7 @@ def push_destination(dest: str) -> str:
     by the image grammar that the stack's runtime.image meets, so what is pushed can be pulled."""
     from components import grammar
 
-    host = dest.split("/", 1)[0]
-    registry_host = "." in host or ":" in host or host == "localhost"
+    registry_host = grammar.image_registry(f"{dest}/{REPO}") == dest.split("/", 1)[0]
     problem = grammar.image(f"{dest}/{REPO}@sha256:{'0' * 64}") if registry_host else "names no registry host"
     if problem or dest.endswith("/"):
         raise SystemExit(f"fimfleet: image: push destination {dest!r}: must be a registry host[:port], optionally "
