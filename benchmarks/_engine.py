@@ -128,8 +128,10 @@ class Engine:
     """Native vLLM on 127.0.0.1 with conftest's env and flags; kv_gib and dtype vary per benchmark."""
 
     def __init__(self, py: str, model: Path, *, kv_gib: int = 1, dtype: str = "bfloat16",
-                 extra_args: Sequence[str] = (), log: Callable[[str], None] = make_log("vllm")):
-        self.py, self.model, self.kv_gib, self.dtype = py, model, kv_gib, dtype
+                 extra_args: Sequence[str] = (), log: Callable[[str], None] = make_log("vllm"),
+                 cpus: Optional[str] = None):
+        # cpus: a taskset(1) list, so that engines on one machine stand for nodes with their own cores
+        self.py, self.model, self.kv_gib, self.dtype, self.cpus = py, model, kv_gib, dtype, cpus
         self.extra_args, self.log = list(extra_args), log
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -155,9 +157,11 @@ class Engine:
                    HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore::DeprecationWarning")
         self.t0 = time.monotonic()
         with open(self.log_path, "wb") as fh:
-            self.proc = subprocess.Popen(self.command(), stdout=fh, stderr=subprocess.STDOUT, env=env,
+            pin = ["taskset", "-c", self.cpus] if self.cpus else []
+            self.proc = subprocess.Popen([*pin, *self.command()], stdout=fh, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
-        self.log(f"vLLM pid {self.proc.pid} on {self.base} (KVCACHE_SPACE={self.kv_gib}, {self.dtype}), "
+        self.log(f"vLLM pid {self.proc.pid} on {self.base} (KVCACHE_SPACE={self.kv_gib}, {self.dtype}"
+                 f"{', cpus ' + self.cpus if self.cpus else ''}), "
                  f"log {self.log_path}")
 
     def log_text(self) -> str:

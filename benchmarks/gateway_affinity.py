@@ -29,7 +29,6 @@ import random
 import re
 import secrets
 import ssl
-import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -42,10 +41,8 @@ if str(ROOT) not in sys.path:
 import httpx  # noqa: E402
 
 from benchmarks._engine import API_KEY, SERVED, Engine, arm_sigterm, make_log, tiny_model, vllm_python, vllm_versions  # noqa: E402
-from components import gateway_render, models  # noqa: E402
-from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member  # noqa: E402
-from components.tls import issue  # noqa: E402
-from tests.integration.nginx_harness import SERVER_NAME, Nginx, write_tls  # noqa: E402
+from benchmarks._fleet import Gateway, NativeFleet  # noqa: E402
+from components import models  # noqa: E402
 
 log = make_log("affinity")
 WORDS = ("alpha", "beta", "gamma", "delta", "value", "index", "result", "buffer", "config", "handler", "items",
@@ -89,9 +86,9 @@ def prefix_counters(engine: Engine) -> tuple[float, float]:
     return total["queries"], total["hits"]
 
 
-def run_leg(name: str, gateway: Nginx, ca: Path, keys: dict, engines: list[Engine], prompts) -> dict:
+def run_leg(name: str, gateway: Gateway, keys: dict, engines: list[Engine], prompts) -> dict:
     before = [prefix_counters(e) for e in engines]
-    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx = ssl.create_default_context(cafile=str(gateway.ca))
     per_node = {}
     with httpx.Client(verify=ctx, timeout=60) as client:
         for i, (dev, prompt) in enumerate(prompts):
@@ -124,46 +121,16 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="fimfleet-affinity-"))
     keys = {f"dev{d}": secrets.token_urlsafe(24) for d in range(a.developers)}
     engines = [Engine(py, model, log=log) for _ in range(2)]
-    started: list[Nginx] = []
+    fleet = NativeFleet(work, engines, keys, log)
     try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_healthy()
-        cas, members = [], []
-        for i, e in enumerate(engines):
-            d = work / f"node{i}"
-            d.mkdir()
-            tls = write_tls(d, issue(SERVER_NAME, [SERVER_NAME, FLEET_TLS_NAME], ["127.0.0.1"], days=1))
-            cas.append(tls.ca.read_text())
-            ngx = Nginx(d / "nginx", tls, e.port, node=f"node{i}", api_keys=keys, upstream_api_key=API_KEY,
-                        rate_per_second=1000, burst=1000).start()
-            started.append(ngx)
-            members.append(Member(f"node{i}", "127.0.0.1", ngx.https_port))
+        fleet.start()
         legs = {}
         for leg, affinity in (("affinity", True), ("round_robin", False)):
-            d = work / leg
-            d.mkdir()
-            (d / "nodes-ca.pem").write_text("".join(cas))
-            paths = GatewayPaths(servers=str(d / "gateway.servers"), state_dir=str(d / "state"), lock=str(d / "lock"))
-            Path(paths.enabled_dir).mkdir(parents=True)
-            for m in members:
-                (Path(paths.enabled_dir) / m.name).touch()
-            fleet = FleetUpstream(members=tuple(members), paths=paths, ca_path=str(d / "nodes-ca.pem"), affinity=affinity)
-            Path(paths.generator).write_text(gateway_render.servers_script(fleet))
-            Path(paths.generator).chmod(0o755)
-            subprocess.run([paths.generator], check=True, timeout=30)
-            gw_tls = write_tls(d, issue(SERVER_NAME, [SERVER_NAME], ["127.0.0.1"], days=1))
-            gw = Nginx(d / "nginx", gw_tls, 1, node="gateway", api_keys=keys, rate_per_second=1000, burst=1000,
-                       fleet=fleet).start()
-            started.append(gw)
+            gw = fleet.gateway(leg, affinity=affinity)
             seed = 1 if affinity else 2  # fresh files: neither leg reuses the other's prefixes
-            legs[leg] = run_leg(leg, gw, gw_tls.ca, keys, engines, replay(a.developers, a.keystrokes, seed))
+            legs[leg] = run_leg(leg, gw, keys, engines, replay(a.developers, a.keystrokes, seed))
     finally:
-        for ngx in started:
-            ngx.stop()
-        for e in engines:
-            e.stop()
+        fleet.stop()
     aff, rr = legs["affinity"], legs["round_robin"]
     result = {
         "benchmark": "gateway_affinity",
