@@ -5,7 +5,6 @@ test_gateway.py runs them. Imported as ``benchmarks._fleet`` with the repository
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -14,7 +13,7 @@ from benchmarks._engine import API_KEY, Engine
 from components import gateway_render
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
 from components.tls import issue
-from tests.integration.nginx_harness import SERVER_NAME, Nginx, children_of, wait_for, write_tls
+from tests.integration.nginx_harness import SERVER_NAME, Nginx, children_of, reload_shim, wait_for, write_tls
 
 RATE = 1000
 """Requests a second per key at every nginx, and the burst: the benchmark measures the engines."""
@@ -80,13 +79,7 @@ class Gateway:
 
     def __init__(self, nginx: Nginx, ca: Path, paths: GatewayPaths, root: Path):
         self.nginx, self.ca, self.paths = nginx, ca, paths
-        # The scripts call `systemctl reload nginx`: here that nginx is this gateway's.
-        shim = root / "bin"
-        shim.mkdir()
-        (shim / "systemctl").write_text(f"#!/bin/sh\ncase \"$1\" in is-active) exit 0;; reload|restart) "
-                                        f"kill -HUP {nginx.proc.pid};; esac\n")
-        (shim / "systemctl").chmod(0o755)
-        self.env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+        self.env = reload_shim(root / "bin", nginx.proc.pid)
 
     def url(self, path: str) -> str:
         return self.nginx.url(path)

@@ -23,7 +23,8 @@ from components import gateway_render
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
 from components.nginx_base import NginxBase
 from components.tls import issue
-from tests.integration.nginx_harness import CHUNK_DELAY_MS, SERVER_NAME, Nginx, Upstream, bearer, children_of, wait_for, write_tls
+from tests.integration.nginx_harness import (CHUNK_DELAY_MS, SERVER_NAME, Nginx, Upstream, bearer, children_of,
+                                            reload_shim, wait_for, write_tls)
 from tests.integration.test_nginx_ingress import assert_streamed_unbuffered, stream_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -70,12 +71,7 @@ class Fleet:
         self.gateway = Nginx(gw_dir / "nginx", gw_tls, 1, node="gateway", api_keys=self.keys,
                              rate_per_second=GATEWAY_RATE, burst=GATEWAY_RATE, fleet=self.upstream).start()
         # The scripts call `systemctl reload nginx` and `nginx -t`: on this machine that nginx is the gateway's.
-        shim = root / "bin"
-        shim.mkdir()
-        (shim / "systemctl").write_text(f"#!/bin/sh\ncase \"$1\" in is-active) exit 0;; reload|restart) "
-                                        f"kill -HUP {self.gateway.proc.pid};; esac\n")
-        (shim / "systemctl").chmod(0o755)
-        self.env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+        self.env = reload_shim(root / "bin", self.gateway.proc.pid)
 
     def member(self, node: str, enabled: bool, reload: bool = True, drain_timeout_s: int = 30) -> str:
         """Run the real drain or enable step against the gateway; waits for the new workers."""
