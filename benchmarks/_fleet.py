@@ -13,7 +13,7 @@ from benchmarks._engine import API_KEY, Engine
 from components import gateway_render
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
 from components.tls import issue
-from tests.integration.nginx_harness import SERVER_NAME, Nginx, children_of, reload_shim, wait_for, write_tls
+from tests.integration.nginx_harness import SERVER_NAME, Nginx, free_port, write_tls
 
 RATE = 1000
 """Requests a second per key at every nginx, and the burst: the benchmark measures the engines."""
@@ -57,7 +57,8 @@ class NativeFleet:
         Path(paths.enabled_dir).mkdir(parents=True)
         for m in self.members:
             (Path(paths.enabled_dir) / m.name).touch()
-        fleet = FleetUpstream(members=self.members, paths=paths, ca_path=str(d / "nodes-ca.pem"), affinity=affinity)
+        fleet = FleetUpstream(members=self.members, paths=paths, ca_path=str(d / "nodes-ca.pem"), affinity=affinity,
+                              member_port=free_port())  # each gateway on this machine its own
         Path(paths.generator).write_text(gateway_render.servers_script(fleet))
         Path(paths.generator).chmod(0o755)
         subprocess.run([paths.generator], check=True, timeout=30)
@@ -65,7 +66,7 @@ class NativeFleet:
         ngx = Nginx(d / "nginx", tls, 1, node="gateway", api_keys=self.keys, rate_per_second=RATE, burst=RATE,
                     fleet=fleet).start()
         self.gateways.append(ngx)
-        return Gateway(ngx, tls.ca, paths, d)
+        return Gateway(ngx, tls.ca, paths)
 
     def stop(self) -> None:
         for ngx in [*self.gateways, *self.nodes]:
@@ -77,21 +78,18 @@ class NativeFleet:
 class Gateway:
     """One running gateway: its nginx, the CA its clients verify and the rotation's paths."""
 
-    def __init__(self, nginx: Nginx, ca: Path, paths: GatewayPaths, root: Path):
+    def __init__(self, nginx: Nginx, ca: Path, paths: GatewayPaths):
         self.nginx, self.ca, self.paths = nginx, ca, paths
-        self.env = reload_shim(root / "bin", nginx.proc.pid)
 
     def url(self, path: str) -> str:
         return self.nginx.url(path)
 
     def member(self, node: str, enabled: bool, drain_timeout_s: int = 60) -> str:
-        """The real drain (enabled=False) or enable step; returns once the new workers serve."""
+        """The real drain (enabled=False) or enable step (it changes a marker; nginx does not reload)."""
         script = gateway_render.member_script(node, enabled, self.nginx.spec.base, self.paths, drain_timeout_s)
-        old = children_of(self.nginx.proc.pid)
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True,
-                              timeout=drain_timeout_s + 60, env=self.env)
+                              timeout=drain_timeout_s + 60)
         if proc.returncode != 0:
             raise RuntimeError(f"the {'enable' if enabled else 'drain'} step of {node} failed:\n"
                                f"{proc.stdout}{proc.stderr}")
-        wait_for(lambda: (kids := children_of(self.nginx.proc.pid)) and not (kids & old), 15, "gateway reload")
         return proc.stdout

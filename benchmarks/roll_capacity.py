@@ -47,6 +47,8 @@ from components import models  # noqa: E402
 
 log = make_log("roll")
 MAX_TOKENS = 8
+MAX_FILE_CHARS = 3000
+"""A developer's file stays well inside the engines' 2048-token context (vLLM answers 400 past it)."""
 
 
 def stream_once(client: httpx.Client, url: str, key: str, prompt: str) -> dict:
@@ -82,6 +84,9 @@ def developer(name: str, key: str, gw: Gateway, stop: threading.Event, out: list
     ctx = ssl.create_default_context(cafile=str(gw.ca))
     with httpx.Client(verify=ctx, timeout=httpx.Timeout(120.0)) as client:
         while not stop.is_set():
+            if len(text) > MAX_FILE_CHARS:  # on to another file, before the prompt outgrows the model
+                text = source_file(rng, 30)
+                cursor = len(text) // 2
             text = text[:cursor] + rng.choice("abcdefghij_(") + text[cursor:]
             cursor += 1
             rec = stream_once(client, gw.url("/v1/completions"), key, models.QWEN_FIM.prompt(text[:cursor], text[cursor:]))
@@ -128,7 +133,7 @@ def main() -> int:
     stop = threading.Event()
     threads: list[threading.Thread] = []
     steps: list[dict] = []
-    reloads: list[float] = []  # when each drain and enable step began: each reloads the gateway
+    member_steps: list[float] = []  # when each drain and enable step began (before, each reloaded the gateway)
     try:
         fleet.start()
         gw = fleet.gateway("gateway", affinity=True)
@@ -153,7 +158,7 @@ def main() -> int:
             engine.wait_healthy()
             t2 = time.monotonic()
             check_s = direct_check(fleet, i, keys["dev0"])
-            reloads += [t0, t2 + check_s]
+            member_steps += [t0, t2 + check_s]
             gw.member(node, enabled=True)
             t3 = time.monotonic()
             log(f"{node}: back in rotation after {t3 - t0:.1f} s")
@@ -171,7 +176,8 @@ def main() -> int:
               "after": phase(records, t_after, t_end)}
     warmup = phase(records, warm, t_before)
     failed = [{"at_s_from_roll_start": round(r["t1"] - t_roll, 2), "why": r["why"],
-               "from_nearest_gateway_reload_s": round(min((r["t1"] - t for t in reloads), key=abs), 2) if reloads else None}
+               "from_nearest_member_step_s": round(min((r["t1"] - t for t in member_steps), key=abs), 2)
+               if member_steps else None}
               for r in records if not r["ok"] and r["t1"] >= warm]
     before, roll, after = (phases[k]["requests_per_s"] for k in ("before", "roll", "after"))
     result = {

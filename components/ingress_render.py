@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from components import grammar, nginx_base
-from components.gateway_render import FLEET_TLS_NAME, FleetUpstream
+from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, member_listen
 from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, address_port, check_int, check_path, int_problem
 
 _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
@@ -298,6 +298,8 @@ def _context(spec: IngressSpec) -> dict:
         "ecdh_curves": SSL_ECDH_CURVES,
         "fleet": spec.fleet,
         "fleet_tls_name": FLEET_TLS_NAME,
+        "member_servers": [(i, m, member_listen(i, spec.fleet.member_port)) for i, m in enumerate(spec.fleet.members)]
+        if spec.fleet else [],
     }
 
 

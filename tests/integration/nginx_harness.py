@@ -261,16 +261,6 @@ class Nginx:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def reload_shim(directory: Path, nginx_pid: int) -> dict:
-    """An environment whose `systemctl reload|restart nginx` SIGHUPs this nginx (and `is-active`
-    says yes): the drain and enable scripts run as on a host, against the harness's nginx."""
-    directory.mkdir()
-    (directory / "systemctl").write_text(f"#!/bin/sh\ncase \"$1\" in is-active) exit 0;; reload|restart) "
-                                         f"kill -HUP {nginx_pid};; esac\n")
-    (directory / "systemctl").chmod(0o755)
-    return {**os.environ, "PATH": f"{directory}:{os.environ['PATH']}"}
-
-
 def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 

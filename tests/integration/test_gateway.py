@@ -23,8 +23,8 @@ from components import gateway_render
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
 from components.nginx_base import NginxBase
 from components.tls import issue
-from tests.integration.nginx_harness import (CHUNK_DELAY_MS, SERVER_NAME, Nginx, Upstream, bearer, children_of,
-                                            reload_shim, wait_for, write_tls)
+from tests.integration.nginx_harness import (CHUNK_DELAY_MS, SERVER_NAME, Nginx, Upstream, bearer, children_of, free_port,
+                                            wait_for, write_tls)
 from tests.integration.test_nginx_ingress import assert_streamed_unbuffered, stream_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -57,10 +57,11 @@ class Fleet:
                                   lock=str(gw_dir / "nginx.lock"))
         self.upstream = FleetUpstream(
             members=tuple(Member(n, "127.0.0.1", ngx.https_port) for n, ngx in self.nodes.items()),
-            paths=self.paths, ca_path=str(gw_dir / "nodes-ca.pem"), max_fails=1, fail_timeout_s=30)
+            paths=self.paths, ca_path=str(gw_dir / "nodes-ca.pem"), max_fails=1, fail_timeout_s=30,
+            member_port=free_port())
         # Nodes pass their SLA checks before the gateway's own step has run: markers only.
         for name in self.nodes:
-            assert "gateway not installed yet" in self.member(name, enabled=True, reload=False)
+            assert "gateway not installed yet" in self.member(name, enabled=True, installed=False)
         # The gateway's step: install the generator and write the servers file from the markers.
         generator = Path(self.paths.generator)
         generator.write_text(gateway_render.servers_script(self.upstream))
@@ -70,19 +71,17 @@ class Fleet:
         self.gateway_ca = gw_tls.ca
         self.gateway = Nginx(gw_dir / "nginx", gw_tls, 1, node="gateway", api_keys=self.keys,
                              rate_per_second=GATEWAY_RATE, burst=GATEWAY_RATE, fleet=self.upstream).start()
-        # The scripts call `systemctl reload nginx` and `nginx -t`: on this machine that nginx is the gateway's.
-        self.env = reload_shim(root / "bin", self.gateway.proc.pid)
 
-    def member(self, node: str, enabled: bool, reload: bool = True, drain_timeout_s: int = 30) -> str:
-        """Run the real drain or enable step against the gateway; waits for the new workers."""
-        base = self.gateway.spec.base if reload else NginxBase(conf_dir="/nonexistent")
+    def member(self, node: str, enabled: bool, installed: bool = True, drain_timeout_s: int = 30) -> str:
+        """Run the real drain or enable step against the gateway; it must not reload nginx (a
+        reload closes idle keep-alive connections under clients that are sending on them)."""
+        base = self.gateway.spec.base if installed else NginxBase(conf_dir="/nonexistent")
         script = gateway_render.member_script(node, enabled, base, self.paths, drain_timeout_s)
-        old = children_of(self.gateway.proc.pid) if reload else set()
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=60,
-                              env=getattr(self, "env", None))
+        workers = children_of(self.gateway.proc.pid) if installed else set()
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        if reload:
-            wait_for(lambda: (kids := children_of(self.gateway.proc.pid)) and not (kids & old), 15, "gateway reload")
+        if installed:
+            assert children_of(self.gateway.proc.pid) == workers, "the step reloaded the gateway"
         return proc.stdout
 
     def served_by(self) -> dict[str, list[str]]:

@@ -76,9 +76,14 @@ def test_the_gateway_trusts_the_nodes_cas_and_each_node_certificate_names_the_fl
         files = {x["path"].rsplit("/", 1)[-1]: x for x in staged}
         assert files["nodes-ca.pem"]["content"] == "CA\nCA\nCA\n"
         assert files["servers.sh"]["mode"] == "0755"
+        site = files["gateway.conf"]["content"]
         for n, addr in (("n2", "203.0.113.11"), ("n3", "203.0.113.12")):
-            assert f"{addr}:8443" in files["servers.sh"]["content"]
-        assert "127.0.0.1:8443" in files["servers.sh"]["content"]  # the co-located node, on loopback
+            assert f"server {addr}:8443;" in site  # behind the node's member server
+        assert "server 127.0.0.1:8443;" in site  # the co-located node, on loopback
+        # the upstream's servers are the member servers, one per node, each named for the drain
+        for i, n in enumerate(NODES):
+            assert f"listen 127.0.1.{i + 1}:17443;" in site and f"enabled/{n})" in site
+            assert f"{n} 127.0.1.{i + 1}:17443" in files["servers.sh"]["content"]
         assert "hash $fimfleet_gateway_key_name consistent" in files["gateway.conf"]["content"]
         assert f"proxy_ssl_name {FLEET_TLS_NAME}" in files["gateway.conf"]["content"]
 
