@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from components import grammar, nginx_base
-from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, member_listen
+from components.gateway_render import DRAINED_RETRY_AFTER_S, FLEET_TLS_NAME, FleetUpstream
 from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, address_port, check_int, check_path, int_problem
 
 _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
@@ -298,8 +298,10 @@ def _context(spec: IngressSpec) -> dict:
         "ecdh_curves": SSL_ECDH_CURVES,
         "fleet": spec.fleet,
         "fleet_tls_name": FLEET_TLS_NAME,
-        "member_servers": [(i, m, member_listen(i, spec.fleet.member_port)) for i, m in enumerate(spec.fleet.members)]
+        "member_servers": [(i, m, spec.fleet.listens[m.name]) for i, m in enumerate(spec.fleet.members)]
         if spec.fleet else [],
+        "drained": _DRAINED_BODY,
+        "drained_retry_after_s": DRAINED_RETRY_AFTER_S,
     }
 
 
@@ -335,6 +337,11 @@ def _error_json(etype: str, ecode: str, message: str) -> str:
 def _json_error_body(code: int) -> str:
     return _error_json(*_JSON_ERRORS[code])
 
+
+_DRAINED_BODY = _error_json("server_error", "no_node_in_rotation",
+                           "no node of this fleet is in rotation now (a rolling update is draining it); retry shortly")
+"""A drained member server's answer, status 404 so that the gateway tries the next node without
+counting a failure; the client sees it only when every node is drained."""
 
 HTTPS_REQUIRED_STATUS = 403
 

@@ -30,8 +30,8 @@ from tests.integration.test_nginx_ingress import assert_streamed_unbuffered, str
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 USERS = [f"dev{i}" for i in range(32)]
-"""nginx places the nodes on its hash ring by address, and the test's ports are the kernel's
-choice, so which node a key lands on changes from run to run: with 32 keys both nodes get
+"""nginx places the nodes on its hash ring by their member servers' addresses and port, and the
+test's member port is the kernel's choice, so which node a key lands on changes from run to run: with 32 keys both nodes get
 some in all but about one run in 2^31 (with 8, about one run in 128 put every key on one)."""
 GATEWAY_RATE = 5
 """Requests a second per key at the gateway, and its burst (the nodes allow 100)."""
@@ -153,6 +153,18 @@ def test_a_drained_node_gets_nothing_and_its_keys_come_back_when_enabled(fleet, 
         fleet.complete(client, user)
     after = {n: v[start[n]:] for n, v in fleet.served_by().items()}
     assert {u: n for n, names in after.items() for u in names} == home  # consistent hashing: the same homes
+
+
+def test_with_every_node_drained_a_client_reads_why_and_when_to_retry(fleet, client):
+    for name in fleet.nodes:
+        fleet.member(name, enabled=False)
+    r = fleet.complete(client, USERS[0])
+    assert r.status_code == 404 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "no_node_in_rotation" and r.headers["retry-after"].isdigit()
+    fleet.member("b", enabled=True)
+    for _ in range(3):  # nginx counted no failure against either node: b answers at once
+        assert fleet.complete(client, USERS[0]).status_code == 200
+    assert "retry-after" not in fleet.complete(client, USERS[1]).headers
 
 
 def test_a_drain_lets_the_nodes_open_streams_finish_before_it_returns(fleet, client):

@@ -6,7 +6,7 @@ import pytest
 
 from components import config, fleet as fleet_shape, gateway
 from components.fleet import Fleet
-from components.gateway_render import FLEET_TLS_NAME
+from components.gateway_render import FLEET_TLS_NAME, _loopback, member_listens
 from tests.helpers import raw_config
 
 NODES = {"n1": {"address": "203.0.113.10"}, "n2": {"address": "203.0.113.11"}, "n3": {"address": "203.0.113.12"}}
@@ -81,9 +81,9 @@ def test_the_gateway_trusts_the_nodes_cas_and_each_node_certificate_names_the_fl
             assert f"server {addr}:8443;" in site  # behind the node's member server
         assert "server 127.0.0.1:8443;" in site  # the co-located node, on loopback
         # the upstream's servers are the member servers, one per node, each named for the drain
-        for i, n in enumerate(NODES):
-            assert f"listen 127.0.1.{i + 1}:17443;" in site and f"enabled/{n})" in site
-            assert f"{n} 127.0.1.{i + 1}:17443" in files["servers.sh"]["content"]
+        for n, listen in member_listens(NODES).items():
+            assert f"listen {listen};" in site and f"enabled/{n})" in site
+            assert f"{n} {listen}" in files["servers.sh"]["content"]
         assert "hash $fimfleet_gateway_key_name consistent" in files["gateway.conf"]["content"]
         assert f"proxy_ssl_name {FLEET_TLS_NAME}" in files["gateway.conf"]["content"]
 
@@ -248,3 +248,30 @@ def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, d
         assert {"n1-enable", "n2-enable", "n3-enable"} <= deps(t, "fleet-sla")
 
     return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+
+
+def test_member_addresses_follow_the_node_names_so_a_removed_node_moves_no_other_key():
+    names = [f"node-{i}" for i in range(40)]
+    full = member_listens(names)
+    assert len(set(full.values())) == len(names)
+    for addr in full.values():
+        octets = [int(o) for o in addr.rsplit(":", 1)[0].split(".")]
+        assert octets[0] == 127 and octets[1] != 0 and addr.endswith(":17443")  # off 127.0.0.x
+    without = member_listens(names[:5] + names[6:])  # a middle node removed
+    assert all(without[n] == full[n] for n in without)
+    assert member_listens(list(reversed(names))) == full  # the stack's order does not matter
+
+
+def test_two_names_on_one_address_get_two_whatever_their_order():
+    seen: dict[str, str] = {}
+    for i in range(200_000):  # about 4,100 names in 16.5 million addresses: a clash is near certain
+        name, addr = f"n{i}", _loopback(f"n{i}", 0)
+        if addr in seen:
+            clash = [seen[addr], name]
+            break
+        seen[addr] = name
+    else:
+        pytest.fail("no two names shared an address")
+    one, other = member_listens(clash), member_listens(list(reversed(clash)))
+    assert one == other and len(set(one.values())) == 2
+    assert one[min(clash)] == f"{addr}:17443"  # the first in sorted order keeps its own
