@@ -115,7 +115,8 @@ def _variant(sdir: Path) -> str | None:
 def ensure(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm") -> Path:
     """The serving snapshot for this stack file, built if missing. `vm` runs vm.py (local_deploy.vm);
     `variant`: the image it grows from (vllm: the venv is there; docker: dockerd is, and the
-    engine image is pulled from the stack's runtime.image, so that registry must answer)."""
+    engine image is pulled from the stack's runtime.image, so that registry must answer;
+    docker-engine: dockerd holds that image already, toolchain/testbed/variants/docker-engine.sh)."""
     root = cache / "testbed" / "serving"
     root.mkdir(parents=True, exist_ok=True)
     build_state = root / f"builder-{secrets.token_hex(4)}"

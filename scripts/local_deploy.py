@@ -73,7 +73,8 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
     engine already serves `serving_config`'s runtime (scripts/engine_snapshot.py), or, without
     it, from the variant's booted snapshot (the engine then starts during `pulumi up`).
     `same_ports`: the stopped VM's ssh and https ports, as a host reinstalled under its address.
-    `variant`: vllm (the systemd runtime's venv) or docker (the docker runtime's daemon)."""
+    `variant`: vllm (the systemd runtime's venv), docker (the docker runtime's daemon) or
+    docker-engine (that daemon with the engine image in it already)."""
     env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
     ports = []

@@ -3,8 +3,8 @@ onto a test VM whose dockerd pulls fimfleet's own engine image by digest from a 
 
 The image is built here (toolchain/image, cached by its pins) and pushed to Debian's
 docker-registry on the host, which the guest reaches as 10.0.2.2. To keep CI time, the VM is
-restored from a snapshot (scripts/engine_snapshot.py, docker variant) in which the runtime's own
-steps already pulled that digest and started its container once, so the first `up` adopts it.
+restored from a snapshot (scripts/engine_snapshot.py, docker-engine variant: that digest already in
+its dockerd) in which the runtime's own steps started its container once, so the first `up` adopts it.
 What stays real, in order: `up` through nginx and the SLA gate → the container's own health
 check streams a token → a SIGSTOPped engine is killed and its container started again by the
 monitor → a new digest (the same layers, one more label) is pulled and rolls the container,
@@ -48,7 +48,11 @@ def node(tmp_path_factory):
     n.image_id = build.config_digest(pushed)
     n.image = pushed.replace(build.REGISTRY, build.GUEST_REGISTRY, 1)  # the same digest, as the guest names it
     ld.stack_config(n.config_file, n.state, paths["model_dir"], {"fimfleet:runtime.image": n.image}, stack=STACK)
-    ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant="docker")
+    # The image is in the VM's dockerd already (pulled natively while the image was built): the
+    # same pull under emulation was most of a fresh machine's CI run. Pulls of other digests stay real.
+    mp.setenv("FIMFLEET_PRELOAD_IMAGE", pushed)
+    mp.setenv("FIMFLEET_PRELOAD_AS", n.image)
+    ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant="docker-engine")
     t0 = time.monotonic()
     n.first_up = n.pulumi("up", "--yes", "--skip-preview")
     n.up_seconds = time.monotonic() - t0
