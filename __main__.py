@@ -28,10 +28,11 @@ pulumi.export("kvCache", node.kv_cache)
 pulumi.export("editorConfigs", fleet.editor_configs)
 pulumi.export("curlSmokeTest", node.curl)
 if len(fleet.nodes) > 1 or fleet.gateway:
-    # Per node: its own endpoint and its last SLA summary. A node that failed its check is out of
-    # the gateway's rotation; `up` failed then, and `pulumi refresh` reports its enable as drift.
-    pulumi.export(fleet_shape.NODES_OUTPUT, {n: {"endpoint": svc.endpoint, "slaSummary": svc.sla.summary if svc.sla else None}
-                            for n, svc in fleet.nodes.items()})
+    # Per node: its own endpoint, its state and its last SLA summary. A node that failed its check
+    # is out of the gateway's rotation; `up` failed then, and `pulumi refresh` reports its enable as drift.
+    pulumi.export(fleet_shape.NODES_OUTPUT, {n: {"endpoint": svc.endpoint, "state": fleet.states[n],
+                                                 "slaSummary": svc.sla.summary if svc.sla else None}
+                                             for n, svc in fleet.nodes.items()})
 if fleet.fleet_sla is not None:
     pulumi.export("fleetSlaReport", fleet.fleet_sla.summary)
 if node.monitoring is not None:

@@ -81,6 +81,10 @@ class Fleet(pulumi.ComponentResource):
         else:
             self._waves(args, args.gateway, deployed)
         self.endpoints = {n: svc.endpoint for n, svc in self.nodes.items()}
+        # What each node does once this `up` is through (an `up` that fails exports nothing).
+        self.states = {n: self.enables[n].id.apply(lambda _: "in rotation") if n in self.enables
+                       else (svc.sla or svc.monitor.step).id.apply(lambda _: "serving")
+                       for n, svc in self.nodes.items()}
         canary, canary_args = next(iter(self.nodes.values())), next(iter(args.nodes.values()))
         if self.gateway:  # the fleet's endpoint, and the users' editor outputs, are the gateway's
             self.endpoint, self.ca_pem = self.gateway.endpoint, self.gateway.ca_pem

@@ -78,7 +78,7 @@ def member_listens(names, port: int = MEMBER_PORT) -> dict[str, str]:
     """Where each node's member server listens on the gateway host: a loopback address derived
     from the node's name. nginx places the servers on its hash ring by that address, so adding
     or removing a node moves only the keys of that node, never the others'. Names are taken in
-    sorted order, so the rare clash (about one fleet of 10 in 300,000) resolves the same way
+    sorted order, so the rare clash (about one fleet of 10 nodes in 370,000) resolves the same way
     whatever order the stack lists them in."""
     taken: dict[str, str] = {}
     for name in sorted(names):

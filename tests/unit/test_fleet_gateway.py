@@ -275,3 +275,15 @@ def test_two_names_on_one_address_get_two_whatever_their_order():
     one, other = member_listens(clash), member_listens(list(reversed(clash)))
     assert one == other and len(set(one.values())) == 2
     assert one[min(clash)] == f"{addr}:17443"  # the first in sorted order keeps its own
+
+
+@pytest.mark.parametrize("gw, state", [({"host": "n1"}, "in rotation"), ({}, "serving")])
+@pulumi.runtime.test
+def test_each_node_reports_its_state_once_its_last_step_ran(recorder, gw, state):
+    f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(gateway=gw)))
+    assert set(f.states) == set(NODES)
+    return pulumi.Output.all(*f.states.values()).apply(lambda got: assert_all(got, state))
+
+
+def assert_all(got, want):
+    assert got == [want] * len(NODES), got
