@@ -21,11 +21,15 @@ case "${1:-}" in
     bash "$here/docker.sh" apply "$R"
     sock=/run/fimfleet-preload/docker.sock
     mkdir -p "$R/run/fimfleet-preload"
-    # No networking, no iptables: this daemon only pulls, from the host's loopback registry
-    # (127.0.0.0/8 registries are plain HTTP by default).
-    chroot "$R" dockerd --host "unix://$sock" --pidfile /run/fimfleet-preload/docker.pid \
-      --exec-root /run/fimfleet-preload/exec --iptables=false --ip6tables=false --ip-masq=false \
-      --bridge=none >"$R/run/fimfleet-preload/dockerd.log" 2>&1 &
+    # In a mount namespace of its own, gone with dockerd: the tree bound onto itself (dockerd's
+    # untar makes / private, which needs / to be a mount point) and a cgroup2 tree (dockerd will
+    # not start without a devices cgroup or one). No networking, no iptables: this daemon only
+    # pulls, from the host's loopback registry (127.0.0.0/8 registries are plain HTTP by default).
+    # shellcheck disable=SC2016
+    unshare --mount --propagation private sh -c 'mount --rbind "$1" "$1" && mount -t cgroup2 cgroup2 "$1/sys/fs/cgroup" &&
+      exec chroot "$1" dockerd --host "unix://$2" --pidfile /run/fimfleet-preload/docker.pid \
+        --exec-root /run/fimfleet-preload/exec --iptables=false --ip6tables=false --ip-masq=false --bridge=none' \
+      sh "$R" "$sock" >"$R/run/fimfleet-preload/dockerd.log" 2>&1 &
     pid=$!
     stop() { kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; }
     trap 'stop; cat "$R/run/fimfleet-preload/dockerd.log" >&2' ERR
