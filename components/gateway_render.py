@@ -139,8 +139,7 @@ class FleetUpstream:
 
 def servers_script(fleet: FleetUpstream) -> str:
     """The generator installed at paths.generator: writes the servers file from the markers."""
-    listens = [{"name": n, "listen": listen} for n, listen in fleet.listens.items()]
-    return templates.render("gateway/servers.sh.j2", fleet=fleet, paths=fleet.paths, listens=listens)
+    return templates.render("gateway/servers.sh.j2", fleet=fleet, paths=fleet.paths, listens=fleet.listens)
 
 
 def member_script(node: str, enabled: bool, nginx: NginxBase, paths: GatewayPaths, drain_timeout_s: int = 60) -> str:

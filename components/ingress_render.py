@@ -298,11 +298,16 @@ def _context(spec: IngressSpec) -> dict:
         "ecdh_curves": SSL_ECDH_CURVES,
         "fleet": spec.fleet,
         "fleet_tls_name": FLEET_TLS_NAME,
-        "member_servers": [(i, m, spec.fleet.listens[m.name]) for i, m in enumerate(spec.fleet.members)]
-        if spec.fleet else [],
+        "member_servers": _member_servers(spec.fleet) if spec.fleet else [],
         "drained": _DRAINED_BODY,
         "drained_retry_after_s": DRAINED_RETRY_AFTER_S,
     }
+
+
+def _member_servers(fleet: FleetUpstream) -> list:
+    """(index, member, listen) per node: the index names its upstream block."""
+    listens = fleet.listens
+    return [(i, m, listens[m.name]) for i, m in enumerate(fleet.members)]
 
 
 def access_log(spec: IngressSpec) -> str:
