@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from components import ingress_render, models, sizing
+from components import gateway_render, ingress_render, models, sizing
 from components.cloud_types import PROVIDERS, plain_credentials
 from components.tiers import TIERS, Tier
 
@@ -173,8 +173,7 @@ class MonitorConfig:
     probe_timeout_s: int = key(check=_range(1, 600))
     """Unset: derived from sla.ttftP99Ms (components/monitor.py settings)."""
     stall_s: int = key(check=_range(10, 3600), default=30)
-    """Seconds without an engine step (vLLM's own /metrics unchanged) before a failing engine counts
-    as hung; must exceed the engine's longest single step (a full maxNumBatchedTokens prefill)."""
+    """Seconds of unchanged vLLM /metrics before a failing engine counts as hung (> a full-batch prefill)."""
     watchdog: bool = key(default=False)
     probe_key_rotation: str = key(default="")
     """Change to any new value to rotate the node's own probe key (components/keys.py)."""
@@ -222,6 +221,8 @@ class GatewayConfig:
     max_fails: int = key(check=_range(1, 100), default=2)
     """Failed attempts within failTimeoutS after which a node gets no requests for failTimeoutS."""
     fail_timeout_s: int = key(check=_range(1, 3600), default=10)
+    member_port: int = key(check=PORT, default=gateway_render.MEMBER_PORT)
+    """Port of the gateway's loopback member servers, one per node; change it if the host uses it."""
 
 
 @dataclass(frozen=True)
@@ -292,8 +293,7 @@ class StackConfig:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """One node of fimfleet:nodes: its host (stack-wide host.* with the node's keys on top) and
-    the memory plan for that host's hardware."""
+    """One node of fimfleet:nodes: its host (host.* with the node's keys on top) and memory plan."""
 
     host: HostConfig
     memory: sizing.MemoryPlan | None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from components import grammar
 from components.config import Problem, camel
+from components.gateway_render import MEMBER_PORT
 
 NODE_KEYS = ("address", "port", "user", "bastion", "hostKey", "testbedState", "gone", "cpus", "memoryGiB",
              "memoryBandwidthGBs", "numaNodes", "cpuFlags", "maxStealPercent", "gpuModel", "gpuCount", "gpuMemoryGiB")
@@ -153,6 +154,16 @@ def check_gateway(gw, ingress, hosts: dict, own, problems: list[Problem]) -> Non
         return  # already reported
     if gw.https_port == gw.http_port:
         problems.append(Problem("gateway.httpPort", gw.http_port, "must differ from gateway.httpsPort; e.g. 80"))
+    # nginx on the gateway's host listens on all of these: the member servers need a port of their own
+    taken = {f"gateway.{camel(k)}": getattr(gw, k) for k in ("https_port", "http_port")}
+    if own is None:
+        taken.update({f"ingress.{camel(k)}": getattr(ingress, k) for k in ("https_port", "http_port")})
+    taken["SSH"] = (own or hosts[gw.host]).port
+    free = next(p for p in range(MEMBER_PORT, 65536) if p not in taken.values())
+    for where, port in taken.items():
+        if gw.member_port == port:
+            problems.append(Problem("gateway.memberPort", gw.member_port, f"is taken by {where} on the gateway's host: "
+                                    f"give the member servers a free port, e.g. {free}"))
     for mine in ("https_port", "http_port") if own is None else ():
         for other in ("https_port", "http_port"):
             if getattr(gw, mine) == getattr(ingress, other):

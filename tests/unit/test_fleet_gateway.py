@@ -4,7 +4,7 @@ files, and what a change drains."""
 import pulumi
 import pytest
 
-from components import config, fleet as fleet_shape, gateway
+from components import config, fleet as fleet_shape, gateway, ingress
 from components.fleet import Fleet
 from components.gateway_render import FLEET_TLS_NAME, _loopback, member_listens
 from tests.helpers import raw_config
@@ -129,6 +129,13 @@ def test_only_what_restarts_the_engine_or_retunes_the_host_drains_a_node(change,
     ({"host": "gw.example.com;reboot"}, {}, "gateway.host", "DNS name"),
     ({"host": "198.51.100.20", "hostKey": "ssh-ed25519"}, {}, "gateway.hostKey", "ssh-"),
     ({"host": "n1", "hostKey": HOST_KEY}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.hostKey", "remove it"),
+    # the member servers' port: free on the gateway's host (its nginx listens, its sshd too)
+    ({"host": "n1", "memberPort": 8443}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.memberPort", "ingress.httpsPort"),
+    ({"host": "n1", "memberPort": 443}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.memberPort", "e.g. 17443"),
+    ({"host": "n1", "memberPort": 22}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.memberPort", "SSH"),
+    ({**OWN, "httpsPort": 17443, "memberPort": 17443}, {}, "gateway.memberPort", "e.g. 17444"),
+    ({"host": "n1", "memberPort": 0}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.memberPort", "between 1 and"),
+    ({"host": "n1", "memberPort": "17443;id"}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.memberPort", "whole number"),
 ])
 def test_bad_gateways_name_key_value_and_fix(gw, ingress, key, word):
     raw, secret = raw_config(nodes=NODES, gateway=gw, ingress=ingress)
@@ -275,6 +282,20 @@ def test_two_names_on_one_address_get_two_whatever_their_order():
     one, other = member_listens(clash), member_listens(list(reversed(clash)))
     assert one == other and len(set(one.values())) == 2
     assert one[min(clash)] == f"{addr}:17443"  # the first in sorted order keeps its own
+
+
+def test_the_member_port_reaches_every_member_server_and_the_drain():
+    """gateway.memberPort moves the member servers (a host whose 17443 is taken): the gateway's
+    site listens there, and the servers file that the drain reads names the same addresses."""
+    from components.gateway_render import servers_script
+
+    gw = fleet_shape.args_for(fleet_cfg(gateway={"host": "n1", "memberPort": 27001})).gateway
+    fleet = gw.ingress.fleet
+    assert fleet.member_port == 27001 and all(a.endswith(":27001") for a in fleet.listens.values())
+    staged, _ = ingress.render_files(gw.ingress, "203.0.113.10", "<cert>", "<key>")
+    site = "".join(f["content"] for f in staged)
+    assert all(f"listen {a}" in site for a in fleet.listens.values()) and "17443" not in site
+    assert all(a in servers_script(fleet) for a in fleet.listens.values())
 
 
 @pytest.mark.parametrize("gw, state", [({"host": "n1"}, "in rotation"), ({}, "serving")])
