@@ -58,3 +58,35 @@ def test_a_real_venv_directory_is_named_not_overwritten(tmp_path):
     proc = subprocess.run([str(tmp_path / "fimfleet"), "bootstrap"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and ".venv is a directory" in proc.stderr and "mv " in proc.stderr, proc.stderr
     assert list((tmp_path / ".venv").iterdir()) == [tmp_path / ".venv" / "bin"]
+
+
+def test_a_fresh_machine_downloads_vllm_while_the_toolchain_builds(tmp_path):
+    """`./fimfleet test` starts the vLLM install before the Go build, and both run at once: the
+    stand-in toolchain build below finishes only once the stand-in vLLM install has started."""
+    import shutil
+
+    for rel in ("fimfleet", "requirements.txt", "tests/js/package.json", "tests/js/package-lock.json"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    stubs = {
+        "toolchain/vllm/install.sh": """
+            [ "${1:-}" != path ] || exit 1  # not installed yet
+            touch "$MARKS/vllm-started"; sleep 1; touch "$MARKS/vllm-done"; echo VLLM_VENV=/nowhere""",
+        "toolchain/build.sh": """
+            for _ in $(seq 100); do [ -e "$MARKS/vllm-started" ] && break; sleep 0.1; done
+            [ -e "$MARKS/vllm-started" ] && touch "$MARKS/overlapped"; echo "$MARKS/bin\"""",
+        "scripts/test.sh": """
+            for _ in $(seq 100); do [ -e "$MARKS/vllm-done" ] && break; sleep 0.1; done; echo tests ran""",
+    }
+    for rel, body in stubs.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("#!/usr/bin/env bash\nset -eu\n" + body + "\n")
+        (tmp_path / rel).chmod(0o755)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.run([str(tmp_path / "fimfleet"), "test"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MARKS": str(marks)})
+    assert proc.returncode == 0 and "tests ran" in proc.stdout, proc.stderr[-3000:]
+    assert "vLLM in the background" in proc.stderr
+    assert (marks / "overlapped").exists(), "the toolchain build ran before the vLLM install started"
+    assert os.readlink(tmp_path / ".toolchain") == str(marks / "bin")
