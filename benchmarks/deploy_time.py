@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from components import host, remote  # noqa: E402
+from components import host, ssh  # noqa: E402
 from scripts import local_deploy as ld  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "deploy_time.json"
@@ -71,13 +71,13 @@ def _plain(value):
 
 
 def replay(steps: list[dict], state_dir: Path) -> None:
-    with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(state_dir)))) as client:
+    with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(state_dir)))) as client:
         for s in steps:
             if s.get("files"):
-                remote.put_files(client, s["files"])
+                ssh.put_files(client, s["files"])
             for up in s.get("uploads") or ():
-                remote.put_dir(client, up["local"], up["remote"])
-            code, _, err = remote.run(client, s["apply"], timeout_s=3600, env=s.get("env"))
+                ssh.put_dir(client, up["local"], up["remote"])
+            code, _, err = ssh.run(client, s["apply"], timeout_s=3600, env=s.get("env"))
             if code:
                 raise SystemExit(f"runbook step {s.get('label')} failed: {err[-2000:]}")
 

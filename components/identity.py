@@ -22,7 +22,7 @@ import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, ReadResult, Resource, ResourceProvider, UpdateResult
 
 from components.errors import readable_failures, warn
-from components.remote import SshTarget, Unreachable, run, session
+from components.ssh import SshTarget, Unreachable, run, session, shared_session
 
 ID_FILE = "/var/lib/fimfleet/host-id"
 PROBE = f"cat /etc/machine-id 2>/dev/null || echo unknown; cat {ID_FILE} 2>/dev/null || true"
@@ -40,7 +40,7 @@ class HostIdentityProvider(ResourceProvider):
         """Connect (pinned key, or first contact), read the host's id; write a new one unless it is `keep`."""
         conn = {**props["connection"], "hostKey": pinned, "bastionHostKey": pinned_bastion}
         t = SshTarget.from_props(conn)
-        with session(t, first_contact=not pinned) as client:
+        with shared_session(t) if pinned else session(t, first_contact=True) as client:
             seen = client.fimfleet_seen
             _, out, _ = run(client, PROBE)
             lines = out.split()
@@ -82,7 +82,7 @@ class HostIdentityProvider(ResourceProvider):
                 "bastionHostKey": props.get("bastionHostKeySeen", "")}
         if conn.get("gone"):
             return ReadResult(id_=id_, outs=props)
-        with session(SshTarget.from_props(conn)) as client:
+        with shared_session(SshTarget.from_props(conn)) as client:
             _, out, _ = run(client, PROBE)
         found = (out.split() + ["", ""])[1]
         outs = dict(props)

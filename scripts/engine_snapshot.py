@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from components import config, host, remote, runtime, templates  # noqa: E402
+from components import config, host, runtime, ssh, templates  # noqa: E402
 
 NODE = "node"  # __main__.py's single node
 
@@ -64,13 +64,13 @@ def snapshot_key(base: dict, steps: dict) -> str:
     scripts = steps["scripts"] if steps["kind"] == "systemd" else {k: v for k, v in steps["scripts"].items()
                                                                    if k != "install"}
     return templates.digest(base["dir"], base.get("created_at"), steps["packages"], scripts,
-                            steps["files"], steps["lock"], steps["remote_model"], remote.dir_digest(steps["model"]))
+                            steps["files"], steps["lock"], steps["remote_model"], ssh.dir_digest(steps["model"]))
 
 
 def _run(client, what: str, script: str, timeout_s: float) -> str:
     t0 = time.monotonic()
     say(f"{what} ...")
-    code, out, err = remote.run(client, script, timeout_s=timeout_s, label=f"serving snapshot: {what}")
+    code, out, err = ssh.run(client, script, timeout_s=timeout_s, label=f"serving snapshot: {what}")
     if code:
         raise RuntimeError(f"serving snapshot: {what} failed (exit {code}):\n{(err or out)[-2000:]}")
     say(f"{what}: done in {time.monotonic() - t0:.0f} s")
@@ -81,14 +81,14 @@ def provision(vm_state: Path, steps: dict, start_timeout_s: float) -> str:
     """The host's packages (the engine preloads jemalloc from them), then the runtime's steps in
     the order VllmRuntime runs them; returns start.sh's output."""
     sh = steps["scripts"]
-    with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(vm_state)))) as client:
+    with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(vm_state)))) as client:
         _run(client, "packages", steps["packages"], 1800)
         if steps["kind"] == "systemd":
-            remote.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
+            ssh.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
         _run(client, "vLLM virtualenv" if steps["kind"] == "systemd" else "engine image pull", sh["install"], 3600)
-        remote.put_dir(client, steps["model"], steps["remote_model"])
+        ssh.put_dir(client, steps["model"], steps["remote_model"])
         _run(client, "model", sh["model"], 600)
-        remote.put_files(client, steps["files"])
+        ssh.put_files(client, steps["files"])
         say("starting the engine once (under emulation this takes several minutes; progress follows)")
         return _run(client, "engine start", sh["start"], start_timeout_s + 120)
 

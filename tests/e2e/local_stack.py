@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from components import host, remote
+from components import host, ssh
 from scripts import local_deploy as ld
 
 
@@ -23,8 +23,8 @@ class Node:
         self.wiped_up = None  # test_local_deploy's test_07f's up, which test_07g also judges
 
     def ssh(self, script: str, timeout=120) -> tuple[int, str, str]:
-        with remote.session(remote.SshTarget.from_props(host.testbed_connection(str(self.state)))) as client:
-            return remote.run(client, script, timeout_s=timeout)
+        with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(self.state)))) as client:
+            return ssh.run(client, script, timeout_s=timeout)
 
     def outputs(self, secrets=False) -> dict:
         return ld.outputs(self.config_file, show_secrets=secrets, stack=self.stack)

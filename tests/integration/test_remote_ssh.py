@@ -7,11 +7,16 @@ host, a bastion's client is closed, and progress lines are shown while a step ru
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from components import identity, remote
+from components import identity, remote, ssh
 from tests.helpers import ssh_key
 from tests.sshd import Sshd
 
@@ -22,6 +27,7 @@ pytestmark = pytest.mark.integration
 def sshd(tmp_path):
     server = Sshd(tmp_path, ssh_key()).start()
     yield server
+    ssh.drop_shared()  # the next test's server may reuse the port: no connection outlives its test
     server.stop()
 
 
@@ -51,7 +57,7 @@ def test_a_changed_host_key_is_refused_before_anything_is_sent(sshd, tmp_path):
     impostor = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHYl9LXv+aq1wLQ0WqW7V8bT5pQ3Vq8aH1ZkFh6sYc1E"
     conn = sshd.connection(ssh_key(), hostKey=impostor, identity="x")
     secret = {"path": "/var/lib/fimfleet/secret", "mode": "0600", "content": "api-key"}
-    with pytest.raises(remote.HostKeyChanged) as err:
+    with pytest.raises(ssh.HostKeyChanged) as err:
         remote.RemoteStepProvider().create(step(conn, files=[secret]))
     msg = str(err.value)
     assert "changed" in msg and "pulumi config set --path fimfleet:host.hostKey" in msg and sshd.host_key in msg
@@ -106,7 +112,7 @@ def test_a_rebuilt_host_at_the_same_address_is_refused_until_its_key_is_accepted
     rebuilt_dir.mkdir()
     rebuilt = Sshd(rebuilt_dir, ssh_key(), port=sshd.port).start()  # reinstalled: new key, empty disk
     try:
-        with pytest.raises(remote.HostKeyChanged, match="pulumi config set --path fimfleet:host.hostKey"):
+        with pytest.raises(ssh.HostKeyChanged, match="pulumi config set --path fimfleet:host.hostKey"):
             identity.HostIdentityProvider().read("id", olds)
         accepted = {**olds, "hostKey": rebuilt.host_key}
         assert identity.HostIdentityProvider().diff("id", olds, accepted).changes
@@ -121,8 +127,8 @@ def test_bastion_sessions_are_verified_and_both_clients_closed(sshd):
     before = {t for t in threading.enumerate()}
     conn = {**pinned(sshd, ident), "bastionHost": "127.0.0.1", "bastionPort": sshd.port,
             "bastionUser": "root", "bastionHostKey": sshd.host_key}
-    with remote.session(remote.SshTarget.from_props(conn)) as client:
-        code, out, _ = remote.run(client, "echo through-bastion")
+    with ssh.session(ssh.SshTarget.from_props(conn)) as client:
+        code, out, _ = ssh.run(client, "echo through-bastion")
     assert (code, out.strip()) == (0, "through-bastion")
     for t in [t for t in threading.enumerate() if t not in before]:
         t.join(timeout=5)  # a closed transport's thread ends within moments; an open one never does
@@ -140,13 +146,13 @@ def test_progress_lines_are_shown_while_the_step_runs(sshd, capsys):
 
 def test_a_silent_step_says_it_still_runs_with_its_last_output(sshd, capsys, monkeypatch):
     """No bare dots: a step that prints no progress of its own gets a heartbeat with its last line."""
-    monkeypatch.setattr(remote, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(ssh, "HEARTBEAT_S", 0.5)
     ident = first_contact(sshd)
     script = "echo 'Unpacking prometheus' >&2; sleep 1.3"
     remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="Prometheus"))
     beats = [l for l in capsys.readouterr().err.splitlines() if l.startswith("Prometheus: still running, ")]
     assert 1 <= len(beats) <= 4 and all(l.endswith("; last output: Unpacking prometheus") for l in beats), beats
-    monkeypatch.setattr(remote, "HEARTBEAT_S", 60.0)
+    monkeypatch.setattr(ssh, "HEARTBEAT_S", 60.0)
     remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="Prometheus"))
     assert "still running" not in capsys.readouterr().err  # a step shorter than the heartbeat stays quiet
 
@@ -158,3 +164,50 @@ def test_a_failed_step_names_itself_and_the_host_without_progress_noise(sshd):
         remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="packages"))
     assert str(err.value).startswith(f"packages: apply failed with exit 3 on root@127.0.0.1:{sshd.port}")
     assert "no space left" in str(err.value) and "still going" not in str(err.value)
+
+
+def client_ports(sshd: Sshd) -> list[int]:
+    """Local ports of this machine's open connections to the server."""
+    out = subprocess.run(["ss", "-Htn", "state", "established", f"( dport = :{sshd.port} )"], capture_output=True,
+                         text=True, check=True).stdout
+    return sorted(int(line.split()[-2].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip())
+
+
+def test_the_steps_on_one_host_share_one_connection_and_a_dead_one_is_replaced(sshd):
+    """A deploy pays one SSH handshake and login per host, not one per step (the provider's
+    process lives for the whole `pulumi up`); a connection whose server side died is replaced."""
+    ident = first_contact(sshd)
+    conn = pinned(sshd, ident)
+    p = remote.RemoteStepProvider()
+    files = [{"path": f"/var/lib/fimfleet/d{i}/f", "mode": "0644", "content": f"{i}\n"} for i in range(3)]
+    seen = []
+    for i in range(4):
+        created = p.create(step(conn, apply=f"cat /var/lib/fimfleet/d*/f; echo step{i}", files=files))
+        assert created.outs["stdout"].split() == ["0", "1", "2", f"step{i}"]
+        assert p.read(created.id, created.outs).outs["appliedDigest"] == created.outs["appliedDigest"]
+        seen.append(client_ports(sshd))
+    assert len(seen[0]) == 1 and all(ports == seen[0] for ports in seen), seen
+
+    # the server's side of that connection dies (a host gone away): the next step connects again
+    children = subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert children
+    for pid in children:
+        os.kill(int(pid), signal.SIGKILL)
+    assert p.create(step(conn, apply="echo again")).outs["stdout"].strip() == "again"
+    assert len(client_ports(sshd)) == 1 and client_ports(sshd) != seen[0]
+
+
+def test_many_steps_at_once_on_one_host_all_run(sshd):
+    """Concurrent steps share the connection up to SHARED_USERS; the rest get their own, so sshd's
+    per-connection session limit (10) is never reached."""
+    conn = pinned(sshd, first_contact(sshd))
+    p = remote.RemoteStepProvider()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        outs = list(pool.map(lambda i: p.create(step(conn, apply=f"sleep 0.5; echo {i}",
+                                                     files=[{"path": f"/var/lib/fimfleet/c/{i}", "content": "x"}])),
+                             range(8)))
+    assert [o.outs["stdout"].strip() for o in outs] == [str(i) for i in range(8)]
+    deadline = time.monotonic() + 10
+    while len(client_ports(sshd)) > 1 and time.monotonic() < deadline:  # a closed transport's socket goes soon after
+        time.sleep(0.1)
+    assert len(client_ports(sshd)) == 1  # the shared one stays; the others were closed

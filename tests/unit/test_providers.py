@@ -4,7 +4,7 @@ import dill
 import pytest
 from cryptography import x509
 
-from components import remote, tls
+from components import remote, ssh, tls
 
 CONN = {"host": "203.0.113.10", "port": 22, "user": "root", "privateKey": "-----BEGIN OPENSSH PRIVATE KEY-----"}
 
@@ -45,7 +45,7 @@ def test_rotated_key_is_recorded_without_running_the_step(monkeypatch):
     assert d.changes and not d.replaces
     monkeypatch.setattr(provider, "_exec", lambda *a: pytest.fail("apply must not run for a key rotation"))
     monkeypatch.setattr(provider, "_mark", lambda *a: None)
-    monkeypatch.setattr(remote, "session", _no_session)
+    monkeypatch.setattr(remote, "shared_session", _no_session)
     assert provider.update("id", olds, news).outs["connection"]["privateKey"] == "other"
 
 
@@ -81,25 +81,25 @@ def test_drift_found_by_read_makes_the_next_diff_apply_again():
 def test_unpinned_connection_is_refused_before_any_network_io():
     from tests.helpers import ssh_key
 
-    t = remote.SshTarget(host="192.0.2.1", port=22, user="root", private_key=ssh_key())
+    t = ssh.SshTarget(host="192.0.2.1", port=22, user="root", private_key=ssh_key())
     with pytest.raises(remote.Error, match="no pinned SSH host key"):
-        with remote.session(t):
+        with ssh.session(t):
             pass
 
 
 def test_unreachable_host_fails_with_a_clear_message():
     from tests.helpers import ssh_key
 
-    t = remote.SshTarget(host="127.0.0.1", port=1, user="root", private_key=ssh_key(), connect_timeout_s=1,
+    t = ssh.SshTarget(host="127.0.0.1", port=1, user="root", private_key=ssh_key(), connect_timeout_s=1,
                          host_key="ssh-ed25519 AAAA")
-    with pytest.raises(remote.Unreachable, match=r"cannot reach root@127.0.0.1:1 over SSH.*fimfleet:host.address"):
-        with remote.session(t, retries=1):
+    with pytest.raises(ssh.Unreachable, match=r"cannot reach root@127.0.0.1:1 over SSH.*fimfleet:host.address"):
+        with ssh.session(t, retries=1):
             pass
 
 
 def test_bad_private_key_is_named():
     with pytest.raises(remote.Error, match="sshPrivateKey is not a usable private key"):
-        remote._pkey("-----BEGIN OPENSSH PRIVATE KEY-----\nnope\n-----END OPENSSH PRIVATE KEY-----\n")
+        ssh._pkey("-----BEGIN OPENSSH PRIVATE KEY-----\nnope\n-----END OPENSSH PRIVATE KEY-----\n")
 
 
 def test_destroy_on_a_host_marked_gone_warns_and_skips(capsys):
@@ -186,8 +186,7 @@ def test_certificate_is_reissued_only_when_names_change():
 def test_a_host_declared_gone_is_recorded_without_contact(monkeypatch):
     from components import identity
 
-    monkeypatch.setattr(remote, "session", lambda *a, **k: pytest.fail("no SSH to a host declared gone"))
-    monkeypatch.setattr(identity, "session", lambda *a, **k: pytest.fail("no SSH to a host declared gone"))
+    monkeypatch.setattr(ssh, "_connect", lambda *a, **k: pytest.fail("no SSH to a host declared gone"))
     olds = {**applied(props(connection={**CONN, "identity": "a"}))}
     news = props(connection={**CONN, "identity": "a", "gone": True})
     assert remote.RemoteStepProvider().update("id", olds, news).outs["connection"]["gone"] is True

@@ -161,8 +161,8 @@ def test_gpu_container_requests_gpus():
 
 
 def test_engine_start_reports_progress_with_the_engines_last_log_line(tmp_path):
-    """`pulumi up` shows these lines live (components/remote.py PROGRESS_PREFIX) instead of minutes of dots."""
-    from components import remote, templates
+    """`pulumi up` shows these lines live (components/ssh.py PROGRESS_PREFIX) instead of minutes of dots."""
+    from components import ssh, templates
 
     stubs = tmp_path / "bin"
     stubs.mkdir()
@@ -178,7 +178,7 @@ def test_engine_start_reports_progress_with_the_engines_last_log_line(tmp_path):
                               stamp=str(tmp_path / "stamp"), files=[str(unit_file)])
     proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True, text=True, timeout=30,
                           env={"PATH": f"{stubs}:/usr/bin:/bin"})
-    progress = [l for l in proc.stderr.splitlines() if l.startswith(remote.PROGRESS_PREFIX)]
+    progress = [l for l in proc.stderr.splitlines() if l.startswith(ssh.PROGRESS_PREFIX)]
     assert proc.returncode == 1 and "did not answer a completion within 3 s" in proc.stderr
     assert progress and "s elapsed" in progress[0] and "s left of 3" in progress[0], proc.stderr
     assert progress[0].endswith("engine: INFO Loading weights took 1.20 seconds"), progress
@@ -234,7 +234,7 @@ EARLY_EXIT_READER = re.compile(r"\|\s*(grep\s+(-\w*[qm]\w*\b)|head\b)")
 
 
 def test_no_shell_template_pipes_into_a_reader_that_stops_early():
-    """Every remote script runs under `set -o pipefail` (components/remote.py): when the reader of
+    """Every remote script runs under `set -o pipefail` (components/ssh.py): when the reader of
     a pipe exits early, the writer dies of SIGPIPE or a write error (curl: exit 23) and the whole
     pipeline fails at random with the writer's output size. This failed Prometheus's check on the
     VM. Read into a variable first (`grep -q PATTERN <<<"$out"`)."""
