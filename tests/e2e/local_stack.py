@@ -13,6 +13,12 @@ from components import host, ssh
 from scripts import local_deploy as ld
 
 
+def live(request):
+    """Long setup (images, snapshots, an engine start) prints its progress to the test log as it
+    goes, instead of minutes of silence that pytest would show only on a failure."""
+    return request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled()
+
+
 class Node:
     def __init__(self, tmp: Path, stack: str = "local"):
         self.tmp = tmp

@@ -27,7 +27,7 @@ import pytest
 from components import config as fconfig
 from components import host, kernel
 from scripts import local_deploy as ld
-from tests.e2e.local_stack import Node, client, keys, one_completion, shown
+from tests.e2e.local_stack import Node, client, keys, live, one_completion, shown
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
@@ -51,19 +51,20 @@ def program_at(commit: str, dest: Path) -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def node(tmp_path_factory, request):
     n = Node(tmp_path_factory.mktemp("e2e"))
     # Its own Pulumi state, so a demo deployment on this machine is never touched.
     mp = pytest.MonkeyPatch()
     mp.setenv("FIMFLEET_BACKEND_URL", f"file://{n.tmp / 'state'}")
-    paths = ld.prepare()
-    n.wheelhouse = paths["wheelhouse"]
-    n.model_dir = paths["model_dir"]
-    ld.stack_config(n.config_file, n.state, paths["model_dir"])
-    # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
-    # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
-    # build (whenever the runtime changes) and in the integration tests against real vLLM.
-    ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file)
+    with live(request):
+        paths = ld.prepare()
+        n.wheelhouse = paths["wheelhouse"]
+        n.model_dir = paths["model_dir"]
+        ld.stack_config(n.config_file, n.state, paths["model_dir"])
+        # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
+        # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
+        # build (whenever the runtime changes) and in the integration tests against real vLLM.
+        ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file)
     n.old_program = program_at(UPGRADE_FROM, n.tmp / "before-hostbase")
     t0 = time.monotonic()
     proc = n.pulumi("up", "--yes", "--skip-preview", program=n.old_program)

@@ -23,7 +23,7 @@ import pytest
 
 from components import runtime
 from scripts import local_deploy as ld
-from tests.e2e.local_stack import Node, one_completion, shown
+from tests.e2e.local_stack import Node, live, one_completion, shown
 from tests.helpers import image_build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
@@ -34,16 +34,17 @@ UNIT = runtime.unit_name("node")
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def node(tmp_path_factory, request):
     n = Node(tmp_path_factory.mktemp("e2e-docker"), stack=STACK)
     mp = pytest.MonkeyPatch()
     mp.setenv("FIMFLEET_BACKEND_URL", f"file://{n.tmp / 'state'}")
-    paths = ld.prepare()
-    build = n.build = image_build()
-    # The CLI, as a user runs it: it installs buildah and docker-registry on a fresh machine.
-    proc = subprocess.run([str(ld.ROOT / "fimfleet"), "image", "push"], cwd=ld.ROOT, capture_output=True, text=True,
-                          timeout=3000)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with live(request):
+        paths = ld.prepare()
+        build = n.build = image_build()
+        # The CLI, as a user runs it: it installs buildah and docker-registry on a fresh machine.
+        proc = subprocess.run([str(ld.ROOT / "fimfleet"), "image", "push"], cwd=ld.ROOT, stdout=subprocess.PIPE,
+                              text=True, timeout=3000)
+    assert proc.returncode == 0, "./fimfleet image push failed: its output is above"
     pushed = proc.stdout.strip().splitlines()[-1]
     n.image_id = build.config_digest(pushed)
     n.image = pushed.replace(build.REGISTRY, build.GUEST_REGISTRY, 1)  # the same digest, as the guest names it
@@ -52,7 +53,8 @@ def node(tmp_path_factory):
     # same pull under emulation was most of a fresh machine's CI run. Pulls of other digests stay real.
     mp.setenv("FIMFLEET_PRELOAD_IMAGE", pushed)
     mp.setenv("FIMFLEET_PRELOAD_AS", n.image)
-    ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant="docker-engine")
+    with live(request):
+        ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant="docker-engine")
     t0 = time.monotonic()
     n.first_up = n.pulumi("up", "--yes", "--skip-preview")
     n.up_seconds = time.monotonic() - t0
