@@ -123,7 +123,36 @@ def session(t: SshTarget, retries: int = 3, accept_key: str = "fimfleet:host.hos
 
 SHARED_USERS = 4
 """Steps that use one shared connection at once (each holds at most 2 channels; sshd allows 10)."""
-_shared: dict[SshTarget, list] = {}
+
+
+class _Shared:
+    """One target's shared connection: who uses it, and the last failed attempt to open it."""
+
+    def __init__(self) -> None:
+        self.client = self.jump = None
+        self.users = 0
+        self.lock = threading.Lock()
+        self.failed: tuple[float, Exception] | None = None  # (when it was given up, why)
+
+    def alive(self) -> bool:
+        """A channel opens within seconds: a host that went away (a dead TCP peer looks active) is not reused."""
+        transport = self.client.get_transport() if self.client is not None else None
+        if transport is None or not transport.is_active():
+            return False
+        try:
+            transport.open_session(timeout=10).close()
+            return True
+        except Exception:  # noqa: BLE001 - paramiko raises several kinds here; any means reconnect
+            return False
+
+    def close(self) -> None:
+        for c in (self.client, self.jump):
+            if c is not None:
+                c.close()
+        self.client = self.jump = None
+
+
+_shared: dict[SshTarget, _Shared] = {}
 _shared_lock = threading.Lock()
 
 
@@ -132,17 +161,25 @@ def shared_session(t: SshTarget):
     """Like `session`, but the connection stays open for the next step on the same target (same
     host, port, user, keys and bastion) in this process, so a deploy's steps on one host pay one
     handshake and one login between them. A dead connection is replaced; more than SHARED_USERS
-    steps at once get a session of their own."""
+    steps at once get a session of their own. Steps that waited while a connection could not be
+    opened get that failure at once, as they would have in parallel (a host that is gone)."""
+    arrived = time.monotonic()
     with _shared_lock:
-        entry = _shared.setdefault(t, [None, None, 0, threading.Lock()])  # client, jump, users, connect lock
-    with entry[3]:
-        alive = _alive(entry[0])
-        if not alive and entry[2] == 0:
-            _close(entry)
-            entry[0], entry[1] = _connect(t, 3, "fimfleet:host.hostKey", False)
+        sh = _shared.setdefault(t, _Shared())
+    with sh.lock:
+        if sh.failed and sh.failed[0] >= arrived:
+            raise sh.failed[1]
+        alive = sh.alive()
+        if not alive and sh.users == 0:
+            sh.close()
+            try:
+                sh.client, sh.jump = _connect(t, 3, "fimfleet:host.hostKey", False)
+            except Error as e:
+                sh.failed = (time.monotonic(), e)
+                raise
             alive = True
-        client = entry[0] if alive and entry[2] < SHARED_USERS else None
-        entry[2] += client is not None
+        client = sh.client if alive and sh.users < SHARED_USERS else None
+        sh.users += client is not None
     if client is None:
         with session(t) as own:
             yield own
@@ -150,34 +187,15 @@ def shared_session(t: SshTarget):
     try:
         yield client
     finally:
-        with entry[3]:
-            entry[2] -= 1
-
-
-def _alive(client) -> bool:
-    """A channel opens within seconds: a host that went away (a dead TCP peer looks active) is not reused."""
-    transport = client.get_transport() if client is not None else None
-    if transport is None or not transport.is_active():
-        return False
-    try:
-        transport.open_session(timeout=10).close()
-        return True
-    except Exception:  # noqa: BLE001 - paramiko raises several kinds here; any means reconnect
-        return False
-
-
-def _close(entry: list) -> None:
-    for c in entry[:2]:
-        if c is not None:
-            c.close()
-    entry[0] = entry[1] = None
+        with sh.lock:
+            sh.users -= 1
 
 
 def drop_shared() -> None:
     """Close every shared connection (tests whose hosts come and go within one process)."""
     with _shared_lock:
-        for entry in _shared.values():
-            _close(entry)
+        for sh in _shared.values():
+            sh.close()
         _shared.clear()
 
 

@@ -211,3 +211,24 @@ def test_many_steps_at_once_on_one_host_all_run(sshd):
     while len(client_ports(sshd)) > 1 and time.monotonic() < deadline:  # a closed transport's socket goes soon after
         time.sleep(0.1)
     assert len(client_ports(sshd)) == 1  # the shared one stays; the others were closed
+
+
+def test_steps_waiting_on_a_host_that_is_gone_share_its_failure_and_a_later_step_tries_again(sshd, monkeypatch):
+    """Steps that queued on one target while its connection failed get that failure at once (in
+    parallel they would have failed together), not three more attempts each; a later step retries."""
+    conn = pinned(sshd, first_contact(sshd))
+    sshd.stop()
+    attempts = []
+    real = ssh._connect
+    monkeypatch.setattr(ssh, "_connect", lambda *a: attempts.append(1) or real(*a))
+
+    def create(_):
+        try:
+            remote.RemoteStepProvider().create(step(conn))
+        except ssh.Unreachable as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        errors = list(pool.map(create, range(4)))
+    assert all(isinstance(e, ssh.Unreachable) for e in errors) and len(attempts) == 1, (errors, attempts)
+    assert isinstance(create(0), ssh.Unreachable) and len(attempts) == 2
