@@ -52,3 +52,11 @@ def recorder():
     active = pulumi.runtime.settings.get_monitor()
     active.registrations.clear()
     return active
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A certificate and key from the product's own issuer, for the ingress render tests."""
+    from tests.unit.ingress_spec import self_signed
+
+    return self_signed(tmp_path_factory.mktemp("tls"))
