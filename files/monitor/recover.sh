@@ -60,10 +60,12 @@ echo "$now fail $(head -c 300 "$state/last-error")" > "$state/last"
 
 # An engine that is starting is not failing yet: after our own restart, or after any other
 # start of its unit that no probe has passed since (a deploy's start.sh, an operator's restart).
+# Both times have whole seconds: a start in the second of the last passed probe came after it
+# (no engine serves within a second of its start), so it is a start too.
 restarted=$(cat "$state/restarted-at" 2>/dev/null || echo 0)
 entered=$(systemctl show -p ActiveEnterTimestamp --value "$ENGINE_UNIT" 2>/dev/null || true)
 entered=$( { [ -n "$entered" ] && date -d "$entered" +%s; } 2>/dev/null || echo 0)
-if [ "$entered" -gt "$restarted" ] && [ "$entered" -gt "$(cat "$state/ok-at" 2>/dev/null || echo 0)" ]; then
+if [ "$entered" -gt "$restarted" ] && [ "$entered" -ge "$(cat "$state/ok-at" 2>/dev/null || echo 0)" ]; then
   restarted=$entered
 fi
 if [ $(( now - restarted )) -lt "$GRACE_S" ] && systemctl is-active -q "$ENGINE_UNIT"; then

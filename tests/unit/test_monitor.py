@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,54 @@ def test_env_file_is_data_when_sourced(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["model"] == hostile
     assert not list(tmp_path.glob("pwned*"))
+
+
+FAKE_SYSTEMCTL = """#!/bin/bash
+case "$1" in
+  show) date -u -d "@$ENTERED" '+%a %Y-%m-%d %H:%M:%S UTC' ;;
+  is-active) exit 0 ;;
+  *) echo "$*" >> "$CALLS"; exit 0 ;;
+esac
+"""
+
+
+def grace_round(tmp_path: Path, ok_at: int, entered: int) -> tuple[str, str]:
+    """One recover.sh round whose probe fails and whose /metrics does not answer, with the last
+    passed probe at ok_at and the engine's unit entered active at entered (epoch seconds)."""
+    root = Path(__file__).resolve().parents[2] / "files" / "monitor"
+    (tmp_path / "recover.sh").write_text((root / "recover.sh").read_text())
+    (tmp_path / "fim-probe.sh").write_text("#!/bin/bash\necho 'probe failed: HTTP 502' >&2\nexit 1\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
+    for name in ("logger", "curl"):
+        (bin_dir / name).write_text("#!/bin/bash\nexit 7\n")
+    for f in [*bin_dir.iterdir(), tmp_path / "recover.sh", tmp_path / "fim-probe.sh"]:
+        f.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "ok-at").write_text(f"{ok_at}\n")
+    (state / "progress-at").write_text(f"{ok_at}\n")
+    (tmp_path / "monitor.env").write_text(
+        f"ENGINE_UNIT=vllm-node.service\nSTATE_DIR={state}\nFAILURE_THRESHOLD=2\nGRACE_S=600\nSTALL_S=30\n"
+        "RESTART_TIMEOUT_S=5\nMETRICS_URL=http://127.0.0.1:9/metrics\nMETRICS_TIMEOUT_S=1\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ENTERED": str(entered), "CALLS": str(tmp_path / "calls")}
+    out = subprocess.run(["bash", str(tmp_path / "recover.sh"), str(tmp_path / "monitor.env")], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out
+    return out.stdout, (state / "failures").read_text().strip() if (state / "failures").exists() else "0"
+
+
+@pytest.mark.parametrize("entered_after_ok_s", [0, 40])
+def test_a_start_after_the_last_passed_probe_is_in_its_grace(tmp_path, entered_after_ok_s):
+    """A deploy's restart in the very second of the last passed probe (the timestamps have whole
+    seconds) or later is a start: its failed probes are not counted toward a restart."""
+    ok_at = int(time.time()) - 60
+    out, failures = grace_round(tmp_path, ok_at, ok_at + entered_after_ok_s)
+    assert "start grace" in out and failures == "0", out
+
+
+def test_a_failure_of_an_engine_that_served_since_its_start_counts(tmp_path):
+    ok_at = int(time.time()) - 60
+    out, failures = grace_round(tmp_path, ok_at, ok_at - 3600)
+    assert "start grace" not in out and "probe failed (1/2)" in out and failures == "1", out
