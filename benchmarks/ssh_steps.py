@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""What fimfleet's remote steps cost in SSH alone, on the test VM, side by side in one run:
+
+  A. as before components/ssh.py shared connections: each step opens its own connection
+     (handshake, login), runs one mkdir per file it uploads, its script and its marker;
+  B. as now: RemoteStepProvider.create, whose steps on one host share one connection and
+     run one mkdir for all their files.
+
+Every step has the shape of a typical fimfleet step: 4 files in 3 directories, a one-line
+script, the marker. Rounds alternate A and B on one VM restored from the booted snapshot;
+the per-step medians and their ratio go to benchmarks/results/ssh_steps.json.
+
+    .venv/bin/python benchmarks/ssh_steps.py [--steps 10] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from components import host, remote, ssh  # noqa: E402
+from scripts import local_deploy as ld  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "ssh_steps.json"
+
+
+def files(i: int) -> list[dict]:
+    return [{"path": f"/etc/fimfleet/bench/{d}/f{i}-{n}", "mode": "0644", "content": f"{i} {n}\n"}
+            for n, d in enumerate(("a", "a", "b", "c"))]
+
+
+def step_as_before(conn: dict, i: int) -> None:
+    """The old RemoteStepProvider._exec: its own session, a mkdir per file, script, marker."""
+    with ssh.session(ssh.SshTarget.from_props(conn)) as client:
+        for f in files(i):
+            ssh.put_files(client, [f])  # one file at a time: one mkdir each, as before
+        code, _, err = ssh.run(client, f"cat /etc/fimfleet/bench/*/f{i}-* >/dev/null; echo {i}")
+        assert code == 0, err
+        code, _, err = ssh.run(client, f"mkdir -p {remote.MARKER_DIR} && printf %s x > "
+                                       f"{shlex.quote(remote.MARKER_DIR)}/bench-{i}")
+        assert code == 0, err
+
+
+def step_as_now(conn: dict, i: int) -> None:
+    remote.RemoteStepProvider().create({
+        "connection": conn, "apply": f"cat /etc/fimfleet/bench/*/f{i}-* >/dev/null; echo {i}", "check": "",
+        "destroy": "", "files": files(i), "uploads": None, "env": {}, "triggers": [], "timeoutS": 120,
+        "label": f"bench {i}"})
+
+
+def timed_steps(fn, conn: dict, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t0 = time.monotonic()
+        fn(conn, i)
+        out.append(time.monotonic() - t0)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    paths = ld.prepare()
+    state = Path(tempfile.mkdtemp(prefix="ssh-steps-")) / "vm"
+    ld.start_vm(state, paths["wheelhouse"])
+    try:
+        conn = host.testbed_connection(str(state))
+        before: list[float] = []
+        now: list[float] = []
+        step_as_before(conn, 0)  # the guest's first login starts its user session: not part of either leg
+        for r in range(a.rounds):
+            ssh.drop_shared()  # each round of B starts without a connection, as a new `pulumi up` does
+            for name, fn, acc in (("before", step_as_before, before), ("now", step_as_now, now))[::1 if r % 2 == 0 else -1]:
+                got = timed_steps(fn, conn, a.steps)
+                acc.extend(got)
+                ld.say(f"round {r + 1}: {name}: {statistics.median(got):.3f} s per step")
+        result = {
+            "steps_per_round": a.steps, "rounds": a.rounds,
+            "per_step_s_before_median": round(statistics.median(before), 3),
+            "per_step_s_now_median": round(statistics.median(now), 3),
+            "ratio_now_over_before_median": round(statistics.median(now) / statistics.median(before), 3),
+            "per_step_s_before": [round(x, 3) for x in before], "per_step_s_now": [round(x, 3) for x in now],
+            "where": "test VM (QEMU TCG) restored from the booted snapshot, on this machine",
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    finally:
+        ld.stop_vm(state)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
