@@ -8,7 +8,8 @@ Run in one invocation, side by side, on this machine:
      taken from A's own state, so both do exactly the same work;
   C. a no-op `pulumi up` of the deployed stack against `pulumi up` of an empty Python
      program, and of a program with one unchanged dynamic resource (the floor of any
-     program whose resources are Python dynamic providers), same CLI, median of 5, alternating.
+     program whose resources are Python dynamic providers), same CLI, median of 5, alternating;
+     and the same no-op `up` compiling every template again (no compiled templates kept).
 Ratios are what matters here: the machine is noisy. Results go to benchmarks/results/.
 
     .venv/bin/python benchmarks/deploy_time.py            # A, B and C (two fresh VMs, ~25 min)
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from components import host, ssh  # noqa: E402
+from components import cache, host, ssh  # noqa: E402
 from scripts import local_deploy as ld  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "deploy_time.json"
@@ -42,9 +43,22 @@ def timed(fn, *a, **kw):
     return time.monotonic() - t0, out
 
 
-def pulumi(config_file: Path, *args) -> subprocess.CompletedProcess:
+def pulumi(config_file: Path, *args, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(ROOT / "fimfleet"), "pulumi", *args, "-s", "local", "--non-interactive",
-                           "--config-file", str(config_file)], cwd=ROOT, capture_output=True, text=True, check=True)
+                           "--config-file", str(config_file)], cwd=ROOT, capture_output=True, text=True, check=True,
+                          env=env)
+
+
+def uncompiled_templates_env(tmp: Path) -> dict:
+    """The environment of an `up` that compiles every template again (as before they were kept,
+    components/templates.py): a cache whose jinja directory cannot be made, sharing the rest."""
+    cold = tmp / "cache-without-templates"
+    cold.mkdir(exist_ok=True)
+    (cold / "jinja").write_text("not a directory: no compiled templates are kept\n")
+    for entry in cache.root().iterdir():
+        if entry.name != "jinja" and not (cold / entry.name).exists():
+            (cold / entry.name).symlink_to(entry)
+    return {**os.environ, "FIMFLEET_CACHE": str(cold)}
 
 
 def runbook_steps(config_file: Path) -> list[dict]:
@@ -128,15 +142,20 @@ def empty_program_up(tmp: Path) -> float:
 def noop_vs_empty(config_file: Path, tmp: Path, rounds: int = 5) -> dict:
     """Alternating rounds: the deployed stack's no-op up, an empty program's, and a program with
     one unchanged dynamic resource (the floor of the dynamic-provider approach)."""
-    noop, empty, one = [], [], []
+    noop, uncompiled, empty, one = [], [], [], []
+    cold = uncompiled_templates_env(tmp)
     for _ in range(rounds):
         noop.append(timed(pulumi, config_file, "up", "--yes", "--skip-preview")[0])
+        uncompiled.append(timed(pulumi, config_file, "up", "--yes", "--skip-preview", env=cold)[0])
         empty.append(empty_program_up(tmp))
         one.append(reference_up(tmp, "one-dynamic", ONE_DYNAMIC_RESOURCE))
     med = statistics.median
-    return {"noop_up_s": [round(x, 2) for x in noop], "empty_program_up_s": [round(x, 2) for x in empty],
+    return {"noop_up_s": [round(x, 2) for x in noop],
+            "noop_up_templates_compiled_each_run_s": [round(x, 2) for x in uncompiled],
+            "empty_program_up_s": [round(x, 2) for x in empty],
             "one_dynamic_resource_up_s": [round(x, 2) for x in one],
             "ratio_noop_over_empty_median": round(med(noop) / med(empty), 3),
+            "ratio_noop_templates_compiled_each_run_over_empty_median": round(med(uncompiled) / med(empty), 3),
             "ratio_one_dynamic_over_empty_median": round(med(one) / med(empty), 3),
             "ratio_noop_over_one_dynamic_median": round(med(noop) / med(one), 3),
             # Unset is Python's default; set, every run compiles the program's modules again.

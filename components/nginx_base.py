@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
@@ -117,6 +118,7 @@ def nofile_limit(base: NginxBase) -> int:
     return 2 * base.worker_connections
 
 
+@lru_cache(maxsize=1)
 def environment():
     # nginx templates are laid out for trim_blocks/lstrip_blocks.
     return make_environment(TEMPLATE_DIR, trim_blocks=True, lstrip_blocks=True)

@@ -26,7 +26,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("FIMFLEET_CACHE", Path.home() / ".cache" / "fimfleet"))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from components import cache  # noqa: E402
+
+CACHE = cache.root()
 WORK = ROOT / ".work"
 VM_PY = ROOT / "toolchain" / "testbed" / "vm.py"
 VARIANT = "vllm"
