@@ -7,12 +7,12 @@ from components.fleet import Fleet
 
 try:
     cfg = validate.stack()
+    args = fleet_shape.args_for(cfg)
 except config.ConfigError as err:
     # One readable list of every problem, before any resource (or host) is touched.
     pulumi.log.error(str(err))
     raise SystemExit(32) from None
 
-args = fleet_shape.args_for(cfg)
 # Behind a gateway, a node the last `up` did not deploy waits only for the canary.
 fleet = Fleet("fleet", args, deployed=fleet_shape.deployed_nodes() if args.gateway else None)
 node = next(iter(fleet.nodes.values()))  # the canary; the only node of a single-node stack

@@ -15,11 +15,16 @@ from dataclasses import dataclass
 
 import pulumi
 
+from components import host as hosts
 from components import ingress, kernel, runtime, templates
+from components.config import ConfigError, Problem
 from components.gateway_render import GATEWAY, FleetUpstream, GatewayPaths, Member, member_check, member_script
 from components.nginx_base import NginxBase
 from components.remote import RemoteStep
 
+TESTBED_HOST = "10.0.2.2"
+"""How a test VM reaches the machine that runs it (QEMU's user network): another test VM's
+ingress is the port that machine forwards to it."""
 SERVERS_FILE = "gateway.servers"
 """In the host's fimfleet.d/, beside the sites; not *.conf, so only the gateway's upstream includes it."""
 
@@ -51,8 +56,7 @@ def args_for(cfg, nginx: NginxBase = NginxBase()) -> GatewayArgs | None:
     gw = cfg.gateway
     if not gw.host:
         return None
-    members = tuple(Member(name, "127.0.0.1" if name == gw.host else n.host.address, cfg.ingress.https_port)
-                    for name, n in cfg.nodes.items())
+    members = tuple(member(name, n.host, gw.host, cfg.ingress.https_port) for name, n in cfg.nodes.items())
     host, view = (GATEWAY, cfg.for_gateway()) if cfg.gateway_host else (gw.host, cfg.for_node(gw.host))
     fleet = FleetUpstream(members=members, paths=GatewayPaths(servers=f"{nginx.sites_dir}/{SERVERS_FILE}"),
                           ca_path=f"{ingress.TLS_ROOT}/{GATEWAY}/nodes-ca.pem", max_fails=gw.max_fails,
@@ -61,6 +65,21 @@ def args_for(cfg, nginx: NginxBase = NginxBase()) -> GatewayArgs | None:
     site = dataclasses.replace(ingress.args_for(view, GATEWAY), settings=settings, fleet=fleet, monitoring=False)
     return GatewayArgs(host=host, ingress=site, max_unavailable=cfg.rollout.max_unavailable,
                        drain_timeout_s=cfg.rollout.drain_timeout_s)
+
+
+def member(name: str, node_host, gateway_host: str, https_port: int) -> Member:
+    """Where the gateway reaches node `name`'s ingress: itself over loopback, a test VM through the
+    port the machine running both VMs forwards to it, any other host at its address."""
+    if name == gateway_host:
+        return Member(name, "127.0.0.1", https_port)
+    if node_host.kind == "local-vm":
+        forwards = hosts.testbed_forwards(node_host.testbed_state)
+        if https_port not in forwards:
+            raise ConfigError([Problem(f"nodes.{name}.testbedState", node_host.testbed_state,
+                                       f"that test VM forwards no port to its ingress port {https_port}, so the "
+                                       f"gateway cannot reach it; restore the VM with `--forward {https_port}`")])
+        return Member(name, TESTBED_HOST, forwards[https_port])
+    return Member(name, node_host.address, https_port)
 
 
 def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.Input[dict], nginx: NginxBase,

@@ -73,32 +73,35 @@ def vm(*args, state: Path, **kw) -> dict:
 
 
 def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False,
-             variant: str = VARIANT) -> dict:
+             variant: str = VARIANT, guest_ports: tuple[int, ...] = (443,)) -> dict:
     """A fresh VM with guest 443 forwarded to a free local port: restored from the snapshot whose
     engine already serves `serving_config`'s runtime (scripts/engine_snapshot.py), or, without
     it, from the variant's booted snapshot (the engine then starts during `pulumi up`).
     `same_ports`: the stopped VM's ssh and https ports, as a host reinstalled under its address.
     `variant`: vllm (the systemd runtime's venv), docker (the docker runtime's daemon) or
-    docker-engine (that daemon with the engine image in it already)."""
+    docker-engine (that daemon with the engine image in it already). `guest_ports`: the guest's
+    ports forwarded to free local ones (a gateway beside the ingress needs its own)."""
     env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
-    ports = []
+    ports = [a for g in guest_ports for a in ("--forward", str(g))]
     if (state / "info.json").exists():
         status = vm("status", state=state, check=False)
         if same_ports:
-            ports = ["--ssh-port", str(status["ports"]["22"]), "--forward", f"{status['ports']['443']}:443"]
-        if not same_ports and status.get("running") and status.get("variant") == variant and "443" in status.get("ports", {}):
+            ports = ["--ssh-port", str(status["ports"]["22"])]
+            ports += [a for g in guest_ports for a in ("--forward", f"{status['ports'][str(g)]}:{g}")]
+        if not same_ports and status.get("running") and status.get("variant") == variant \
+                and all(str(g) in status.get("ports", {}) for g in guest_ports):
             # The deployed node lives on this VM: a rerun converges on it instead of starting over.
             say(f"reusing the running test VM in {state}")
             return status
     say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
     if serving_config is None:
-        return vm("restore", "--variant", variant, *(ports or ["--forward", "443"]), state=state, env=env)
+        return vm("restore", "--variant", variant, *ports, state=state, env=env)
     from scripts import engine_snapshot
 
     sdir = engine_snapshot.ensure(vm, serving_config, CACHE, env, variant=variant)
     say(f"restoring a VM whose engine already serves this stack's runtime ({sdir}); `pulumi up` adopts it")
-    return vm("restore", "--snapshot", str(sdir), *(ports or ["--forward", "443"]), state=state, env=env)
+    return vm("restore", "--snapshot", str(sdir), *ports, state=state, env=env)
 
 
 def stop_vm(state: Path) -> None:
@@ -109,16 +112,18 @@ def fimfleet_pulumi(*args, capture=True, check=True, input=None, timeout=3600) -
     return run([ROOT / "fimfleet", "pulumi", *args], capture=capture, check=check, input=input, timeout=timeout)
 
 
-def stack_config(config_file: Path, state: Path, model_dir: str, extra: dict | None = None,
+def stack_config(config_file: Path, state: Path | None, model_dir: str, extra: dict | None = None,
                  stack: str = "local") -> Path:
-    """A local stack's config (stacks/Pulumi.<stack>.yaml), with generated keys kept across runs."""
+    """A local stack's config (stacks/Pulumi.<stack>.yaml), with generated keys kept across runs.
+    `state`: the one VM of a single-node stack (a fleet names its VMs in `extra`, per node)."""
     fresh = not config_file.exists()
     if fresh:
         config_file.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "stacks" / f"Pulumi.{stack}.yaml", config_file)
     fimfleet_pulumi("stack", "select", "--create", stack)
     cf = ["--config-file", str(config_file), "-s", stack]
-    fimfleet_pulumi("config", "set", "--path", "fimfleet:host.testbedState", str(state), *cf)
+    if state is not None:
+        fimfleet_pulumi("config", "set", "--path", "fimfleet:host.testbedState", str(state), *cf)
     fimfleet_pulumi("config", "set", "--path", "fimfleet:model.localPath", model_dir, *cf)
     if fresh:
         for name in KEY_NAMES:
@@ -156,8 +161,8 @@ def clear_stale_lock(stack: str = "local") -> bool:
     return False
 
 
-def up(config_file: Path, *extra: str, check=True) -> subprocess.CompletedProcess:
-    argv = [ROOT / "fimfleet", "pulumi", "up", "-s", "local", "--yes", "--non-interactive", "--skip-preview",
+def up(config_file: Path, *extra: str, check=True, stack: str = "local") -> subprocess.CompletedProcess:
+    argv = [ROOT / "fimfleet", "pulumi", "up", "-s", stack, "--yes", "--non-interactive", "--skip-preview",
             "--config-file", config_file, *extra]
     return subprocess.run([str(a) for a in argv], cwd=ROOT, text=True, check=check)
 

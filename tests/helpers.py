@@ -62,3 +62,22 @@ def image_build():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def vm_state_keys(raw: dict, state: str) -> dict[str, str]:
+    """The config paths that name a local stack's test VMs: host.testbedState for a single-node
+    stack, nodes.<name>.testbedState for a fleet (one VM each, `state`-<name>)."""
+    nodes = raw.get("nodes") or raw.get("fimfleet:nodes")
+    if nodes:
+        return {f"nodes.{n}.testbedState": f"{state}-{n}" for n in nodes}
+    return {"host.testbedState": state}
+
+
+def set_path(raw: dict, dotted: str, value) -> None:
+    """raw[a][b][c] = value for dotted 'a.b.c' (short keys, as config.parse takes them)."""
+    *heads, leaf = dotted.split(".")
+    for h in heads:
+        if not isinstance(raw.get(h), dict):
+            raw[h] = {}
+        raw = raw[h]
+    raw[leaf] = value

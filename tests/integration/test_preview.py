@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import API_KEY, TINY_CONFIG, ssh_key
+from tests.helpers import API_KEY, TINY_CONFIG, ssh_key, vm_state_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,9 +100,8 @@ def host_key() -> str:
     return pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 
-def fake_testbed(tmp_path: Path) -> Path:
-    """An info.json like toolchain/testbed/vm.py writes, for previewing the local stack without a VM."""
-    state = tmp_path / "testbed"
+def fake_testbed(state: Path) -> Path:
+    """An info.json like toolchain/testbed/vm.py writes, for previewing a local stack without a VM."""
     state.mkdir()
     (state / "id_ed25519").write_text(ssh_key())
     (state / "info.json").write_text(json.dumps({"ssh": {"host": "127.0.0.1", "port": 1, "user": "root",
@@ -116,7 +115,9 @@ def fake_testbed(tmp_path: Path) -> Path:
 def test_preview_every_stack(stack, tmp_path):
     extra = {}
     if stack.startswith("local"):
-        extra["fimfleet:host.testbedState"] = str(fake_testbed(tmp_path))
+        doc = yaml.safe_load((ROOT / "stacks" / f"Pulumi.{stack}.yaml").read_text())["config"]
+        for path, state in vm_state_keys(doc, str(tmp_path / "testbed")).items():
+            extra[f"fimfleet:{path}"] = str(fake_testbed(Path(state)))
         model = tmp_path / "tiny-model"
         model.mkdir()
         (model / "config.json").write_text(json.dumps(TINY_CONFIG))

@@ -19,7 +19,7 @@ import yaml
 
 from components import config, editors, grammar, keys, models
 from components.ingress_render import _check_bearer
-from tests.helpers import API_KEY, TINY_CONFIG, raw_config, ssh_key
+from tests.helpers import API_KEY, TINY_CONFIG, raw_config, set_path, ssh_key, vm_state_keys
 from tests.js.continue_pkgs import node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,8 @@ def stack_config(stack: str, tmp_path: Path, **overrides) -> config.StackConfig:
     raw = {k.split(":", 1)[1]: v for k, v in doc.items()}
     raw.update(sshPrivateKey=ssh_key(), apiKeys={"alice": API_KEY, "bob": API_KEY[::-1]})
     if (raw.get("host") or {}).get("kind") == "local-vm":
-        raw["host"]["testbedState"] = str(tmp_path / "testbed")
+        for path, state in vm_state_keys(raw, str(tmp_path / "testbed")).items():
+            set_path(raw, path, state)
         raw["model"]["localPath"] = str(model_dir(tmp_path))
     for dotted, value in overrides.items():
         section, leaf = dotted.split(".")

@@ -1,13 +1,15 @@
 """A fleet behind a gateway under Pulumi mocks: waves, drain and enable gates, the gateway's
 files, and what a change drains."""
 
+import json
+
 import pulumi
 import pytest
 
 from components import config, fleet as fleet_shape, gateway, ingress
 from components.fleet import Fleet
 from components.gateway_render import FLEET_TLS_NAME, _loopback, member_listens
-from tests.helpers import raw_config
+from tests.helpers import TINY_CONFIG, raw_config
 
 NODES = {"n1": {"address": "203.0.113.10"}, "n2": {"address": "203.0.113.11"}, "n3": {"address": "203.0.113.12"}}
 HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
@@ -308,3 +310,39 @@ def test_each_node_reports_its_state_once_its_last_step_ran(recorder, gw, state)
 
 def assert_all(got, want):
     assert got == [want] * len(NODES), got
+
+
+def local_fleet_cfg(tmp_path, forwards: dict[str, int]):
+    """Two test-VM nodes behind a gateway beside the first (stacks/Pulumi.local-fleet.yaml's shape)."""
+    vms = {}
+    for name, port in (("node", 41001), ("node2", 41002)):
+        state = tmp_path / name
+        state.mkdir()
+        (state / "info.json").write_text(json.dumps({"ports": {"22": port, **forwards}}))
+        vms[name] = {"testbedState": str(state)}
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    raw, secret = raw_config("local-vm", nodes=vms, host={"kind": "local-vm"}, model={"source": "local", "localPath": str(model)},
+                             gateway={"host": "node", "httpsPort": 8443, "httpPort": 8080})
+    return config.parse(raw, secret)
+
+
+def test_the_gateway_reaches_another_test_vm_through_the_port_forwarded_to_its_ingress(tmp_path):
+    members = {m.name: m for m in gateway.args_for(local_fleet_cfg(tmp_path, {"443": 40443})).ingress.fleet.members}
+    assert (members["node"].address, members["node"].port) == ("127.0.0.1", 443)  # beside it: loopback
+    assert (members["node2"].address, members["node2"].port) == (gateway.TESTBED_HOST, 40443)
+
+
+def test_a_test_vm_without_a_forward_to_its_ingress_is_a_config_error_naming_its_state(tmp_path):
+    with pytest.raises(config.ConfigError) as e:
+        gateway.args_for(local_fleet_cfg(tmp_path, {"8443": 40843}))
+    assert "fimfleet:nodes.node2.testbedState" in str(e.value) and "--forward 443" in str(e.value)
+
+
+def test_cloud_nodes_behind_a_gateway_are_still_refused_by_name():
+    raw, secret = raw_config(nodes={"n1": {"address": "203.0.113.10"}, "n2": {}}, gateway={"host": "n1"},
+                             ingress={"httpsPort": 8443, "httpPort": 8080})
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw, secret)
+    assert "fimfleet:nodes.n2.address" in str(e.value) and "cloud nodes" in str(e.value)
