@@ -105,8 +105,12 @@ def _pinning_policy(expected: str, seen: list[str], where: str, accept_key: str)
     return Pin()
 
 
+RETRIES = 3
+"""Attempts to open a connection, 2 s and 4 s apart: rides out an sshd restart or a lost SYN."""
+
+
 @contextlib.contextmanager
-def session(t: SshTarget, retries: int = 3, accept_key: str = "fimfleet:host.hostKey", first_contact: bool = False):
+def session(t: SshTarget, retries: int = RETRIES, accept_key: str = "fimfleet:host.hostKey", first_contact: bool = False):
     """An SSH client to a verified host (through a verified bastion if set); both are closed after.
 
     Yields the client; `client.fimfleet_seen` holds the keys presented (bastion first, host
@@ -173,10 +177,13 @@ def shared_session(t: SshTarget):
         if not alive and sh.users == 0:
             sh.close()
             try:
-                sh.client, sh.jump = _connect(t, 3, "fimfleet:host.hostKey", False)
+                # A host that just failed every attempt gets one more per step, not three with backoff:
+                # a destroy of a host that is gone reaches its end in seconds, each step still tried.
+                sh.client, sh.jump = _connect(t, 1 if sh.failed else RETRIES, "fimfleet:host.hostKey", False)
             except Error as e:
                 sh.failed = (time.monotonic(), e)
                 raise
+            sh.failed = None
             alive = True
         client = sh.client if alive and sh.users < SHARED_USERS else None
         sh.users += client is not None

@@ -215,12 +215,13 @@ def test_many_steps_at_once_on_one_host_all_run(sshd):
 
 def test_steps_waiting_on_a_host_that_is_gone_share_its_failure_and_a_later_step_tries_again(sshd, monkeypatch):
     """Steps that queued on one target while its connection failed get that failure at once (in
-    parallel they would have failed together), not three more attempts each; a later step retries."""
+    parallel they would have failed together), not three more attempts each; a later step tries
+    once more, without the backoff (a destroy whose host is gone, step after step)."""
     conn = pinned(sshd, first_contact(sshd))
     sshd.stop()
     attempts = []
     real = ssh._connect
-    monkeypatch.setattr(ssh, "_connect", lambda *a: attempts.append(1) or real(*a))
+    monkeypatch.setattr(ssh, "_connect", lambda t, retries, *a: attempts.append(retries) or real(t, retries, *a))
 
     def create(_):
         try:
@@ -230,5 +231,13 @@ def test_steps_waiting_on_a_host_that_is_gone_share_its_failure_and_a_later_step
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         errors = list(pool.map(create, range(4)))
-    assert all(isinstance(e, ssh.Unreachable) for e in errors) and len(attempts) == 1, (errors, attempts)
-    assert isinstance(create(0), ssh.Unreachable) and len(attempts) == 2
+    assert all(isinstance(e, ssh.Unreachable) for e in errors) and attempts == [ssh.RETRIES], (errors, attempts)
+    t0 = time.monotonic()
+    assert isinstance(create(0), ssh.Unreachable) and attempts == [ssh.RETRIES, 1]
+    assert time.monotonic() - t0 < 2, "the later step waited for a backoff"
+    sshd.start()  # the host is back: a step reaches it, and a later failure gets every attempt again
+    assert remote.RemoteStepProvider().create(step(conn)).outs["stdout"].strip() == "applied"
+    sshd.stop()
+    for shared in ssh._shared.values():  # its session's own sshd process outlives the server: cut it too
+        shared.close()
+    assert isinstance(create(0), ssh.Unreachable) and attempts[-1] == ssh.RETRIES
