@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from components import config, host, runtime, ssh, templates  # noqa: E402
 
-NODE = "node"  # __main__.py's single node
+NODE = "node"  # __main__.py's single node; a fleet's other nodes name their own
 
 
 def say(msg: str) -> None:
@@ -48,12 +48,12 @@ def stack_config(config_file: Path, vm_state: Path) -> config.StackConfig:
     return config.from_mapping(values, frozenset({"fimfleet:apiKeys"}))
 
 
-def _steps(cfg: config.StackConfig) -> dict:
-    r = runtime.render(cfg, NODE)
+def _steps(cfg: config.StackConfig, node: str = NODE) -> dict:
+    r = runtime.render(cfg, node)
     return {"packages": templates.render("host/packages.sh.j2", packages=host.packages(cfg)),
             # only what the engine's start runs: a changed check or destroy script keeps the snapshot
-            "scripts": {k: v for k, v in runtime.scripts(cfg, NODE).items() if k in ("install", "model", "start")},
-            "files": runtime.service_files(NODE, r),
+            "scripts": {k: v for k, v in runtime.scripts(cfg, node).items() if k in ("install", "model", "start")},
+            "files": runtime.service_files(node, r),
             "lock": runtime.LOCK_FILE.read_text(), "model": cfg.model.local_path, "kind": cfg.runtime.kind,
             "remote_model": runtime.model_path(cfg)}
 
@@ -104,25 +104,28 @@ def _in_use(path: Path) -> bool:
     return False
 
 
-def _variant(sdir: Path) -> str | None:
-    """The image variant a snapshot grew from (None: no readable manifest, a broken one)."""
+def _kind(sdir: Path) -> tuple[str, str] | None:
+    """The image variant a snapshot grew from and the engine unit it serves (None: no readable
+    manifest, a broken one)."""
     try:
-        return json.loads((sdir / "manifest.json").read_text()).get("variant")
+        saved = json.loads((sdir / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
+    return saved.get("variant"), (saved.get("label") or {}).get("engine")
 
 
-def ensure(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm") -> Path:
+def ensure(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm", node: str = NODE) -> Path:
     """The serving snapshot for this stack file, built if missing. `vm` runs vm.py (local_deploy.vm);
     `variant`: the image it grows from (vllm: the venv is there; docker: dockerd is, and the
     engine image is pulled from the stack's runtime.image, so that registry must answer;
-    docker-engine: dockerd holds that image already, toolchain/testbed/variants/docker-engine.sh)."""
+    docker-engine: dockerd holds that image already, toolchain/testbed/variants/docker-engine.sh).
+    `node`: the node whose engine it serves (its unit carries the node's name)."""
     root = cache / "testbed" / "serving"
     root.mkdir(parents=True, exist_ok=True)
     build_state = root / f"builder-{secrets.token_hex(4)}"
     base = vm("snapshot", "--variant", variant, state=build_state, env=env)
     cfg = stack_config(config_file, build_state)
-    steps = _steps(cfg)
+    steps = _steps(cfg, node)
     sdir = root / snapshot_key(base, steps)
     if (sdir / "manifest.json").exists():
         return sdir
@@ -135,13 +138,19 @@ def ensure(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm")
         try:
             vm("restore", "--variant", variant, state=build_state, env=env)
             started = json.loads(provision(build_state, steps, cfg.runtime.start_timeout_s).strip().splitlines()[-1])
-            vm("save", "--to", str(sdir), "--label", json.dumps({"engine": runtime.unit_name(NODE), **started}),
+            vm("save", "--to", str(sdir), "--label", json.dumps({"engine": runtime.unit_name(node), **started}),
                state=build_state)
         finally:
             vm("stop", "--purge", state=build_state, check=False)
         say(f"built in {time.monotonic() - t0:.0f} s (engine ready after {started['ready_after_s']} s)")
-    for stale in root.iterdir():  # older keys of this variant: a runtime that no longer deploys
-        if stale.is_dir() and stale != sdir and "." not in stale.name and not stale.name.startswith("builder-") \
-                and _variant(stale) in (variant, None) and not _in_use(stale):
-            shutil.rmtree(stale, ignore_errors=True)
+    prune(root, sdir, variant, node)
     return sdir
+
+
+def prune(root: Path, keep: Path, variant: str, node: str) -> None:
+    """Delete the older snapshots of this variant and node (a runtime that no longer deploys);
+    another node's, another variant's and one a running VM uses stay."""
+    for stale in root.iterdir():
+        if stale.is_dir() and stale != keep and "." not in stale.name and not stale.name.startswith("builder-") \
+                and _kind(stale) in ((variant, runtime.unit_name(node)), None) and not _in_use(stale):
+            shutil.rmtree(stale, ignore_errors=True)

@@ -73,14 +73,15 @@ def vm(*args, state: Path, **kw) -> dict:
 
 
 def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False,
-             variant: str = VARIANT, guest_ports: tuple[int, ...] = (443,)) -> dict:
+             variant: str = VARIANT, guest_ports: tuple[int, ...] = (443,), node: str = "node") -> dict:
     """A fresh VM with guest 443 forwarded to a free local port: restored from the snapshot whose
     engine already serves `serving_config`'s runtime (scripts/engine_snapshot.py), or, without
     it, from the variant's booted snapshot (the engine then starts during `pulumi up`).
     `same_ports`: the stopped VM's ssh and https ports, as a host reinstalled under its address.
     `variant`: vllm (the systemd runtime's venv), docker (the docker runtime's daemon) or
     docker-engine (that daemon with the engine image in it already). `guest_ports`: the guest's
-    ports forwarded to free local ones (a gateway beside the ingress needs its own)."""
+    ports forwarded to free local ones (a gateway beside the ingress needs its own). `node`: the node
+    whose engine the serving snapshot runs (a fleet's VMs each serve their own)."""
     env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
     ports = [a for g in guest_ports for a in ("--forward", str(g))]
@@ -99,7 +100,7 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
         return vm("restore", "--variant", variant, *ports, state=state, env=env)
     from scripts import engine_snapshot
 
-    sdir = engine_snapshot.ensure(vm, serving_config, CACHE, env, variant=variant)
+    sdir = engine_snapshot.ensure(vm, serving_config, CACHE, env, variant=variant, node=node)
     say(f"restoring a VM whose engine already serves this stack's runtime ({sdir}); `pulumi up` adopts it")
     return vm("restore", "--snapshot", str(sdir), *ports, state=state, env=env)
 

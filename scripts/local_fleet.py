@@ -3,9 +3,10 @@
 VM 1 carries the canary, `node`, and the gateway (guest ports 443 for the node's ingress and
 8443 for the gateway's). VM 2 carries `node2`. The gateway reaches VM 2's ingress through
 QEMU's user network, at the port this machine forwards to it (components/gateway.py).
-`serving=True` restores VM 1 from the `local` stack's serving snapshot, whose engine the
-canary adopts (same name, same runtime); VM 2, and both VMs otherwise, start from the booted
-snapshot, so their engines start during `up`.
+`serving=True` restores each VM from a snapshot whose engine already serves its node's runtime
+(scripts/engine_snapshot.py; VM 1's is the `local` stack's, same name and runtime; VM 2's is
+built once, the first time), so `up` adopts both engines. Without it both VMs start from the
+booted snapshot, and their engines start during `up` (benchmarks/fleet_deploy.py).
 
     .venv/bin/python -m scripts.local_fleet            # deploy it (state in .work/), print the endpoint
     .venv/bin/python -m scripts.local_fleet --destroy  # destroy it and stop both VMs
@@ -39,10 +40,10 @@ def start(root: Path, config_file: Path, paths: dict, serving: bool = False) -> 
     ld.stack_config(config_file, None, paths["model_dir"], stack=STACK,
                     extra={f"fimfleet:nodes.{n}.testbedState": s for n, s in vms.items()})
     serving_config = None
-    if serving:  # the `local` stack's runtime is the canary's: its serving snapshot holds that engine
+    if serving:  # every node runs the `local` stack's runtime under its own name
         serving_config = ld.stack_config(root / "Pulumi.local.yaml", vms[NODES[0]], paths["model_dir"])
-    ld.start_vm(vms[NODES[0]], paths["wheelhouse"], serving_config=serving_config, guest_ports=(443, GATEWAY_PORT))
-    ld.start_vm(vms[NODES[1]], paths["wheelhouse"])
+    for name, guest_ports in zip(NODES, ((443, GATEWAY_PORT), (443,))):
+        ld.start_vm(vms[name], paths["wheelhouse"], serving_config=serving_config, guest_ports=guest_ports, node=name)
     return vms
 
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     paths = ld.prepare()
     start(a.root, a.config_file, paths, serving=True)
     ld.clear_stale_lock(STACK)
-    ld.say(f"pulumi up -s {STACK}: the canary, then node2 (its engine starts under emulation: minutes)")
+    ld.say(f"pulumi up -s {STACK}: the canary, then node2, then the fleet's check through the gateway")
     if ld.up(a.config_file, check=False, stack=STACK).returncode != 0:
         raise SystemExit(f"fimfleet: pulumi up -s {STACK} failed (its output above says why); rerun to converge")
     out = ld.outputs(a.config_file, stack=STACK)
