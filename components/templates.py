@@ -19,13 +19,18 @@ FILES = Path(__file__).resolve().parent.parent / "files"
 def bytecode_cache() -> jinja2.BytecodeCache | None:
     """Compiled templates, kept between runs: compiling the ~60 templates every run was a
     quarter of a no-op `up`. Jinja checks each entry against its template's source and the
-    Python version, so an edited template is compiled again. None when the cache is not writable."""
+    Python version, so an edited template is compiled again. The entries are code this process
+    runs, so only a directory that this user owns and no one else may write is used; None (no
+    cache, only slower) otherwise, or when it cannot be made."""
     directory = cache.root() / "jinja"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = directory.stat()
     except OSError:
         return None
-    return jinja2.FileSystemBytecodeCache(str(directory)) if os.access(directory, os.W_OK) else None
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not os.access(directory, os.W_OK):
+        return None
+    return jinja2.FileSystemBytecodeCache(str(directory))
 
 
 def make_environment(directory: Path, **options) -> jinja2.Environment:

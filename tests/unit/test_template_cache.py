@@ -1,5 +1,6 @@
 """Compiled templates are kept between runs (compiling them all was a quarter of a no-op `up`),
-but never stand in for a template that changed, and a cache that cannot be written only costs time."""
+but never stand in for a template that changed, are never loaded from a directory others may
+write (they are code), and a cache that cannot be used only costs time."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def test_a_cache_that_cannot_be_written_still_renders(tmp_path, monkeypatch):
         assert render(tmp_path, x="ok") == "ok\n"
     finally:
         blocked.chmod(0o700)
+
+
+def test_a_cache_directory_others_may_write_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("FIMFLEET_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "jinja").mkdir(parents=True)
+    (tmp_path / "cache" / "jinja").chmod(0o777)
+    assert templates.bytecode_cache() is None
+    (tmp_path / "t.j2").write_text("{{ x }}\n")
+    assert render(tmp_path, x="ok") == "ok\n"
+    assert not list((tmp_path / "cache" / "jinja").iterdir())
+    (tmp_path / "cache" / "jinja").chmod(0o700)
+    assert templates.bytecode_cache() is not None
