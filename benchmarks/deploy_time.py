@@ -209,8 +209,7 @@ def main() -> int:
                     "remote steps, so the ratio bounds fimfleet's own overhead from above.",
         }
     finally:
-        subprocess.run([str(ROOT / "fimfleet"), "pulumi", "destroy", "--yes", "-s", "local", "--non-interactive",
-                        "--config-file", str(cfg_a)], cwd=ROOT, capture_output=True)
+        ld.destroy(cfg_a, check=False, capture=True)
         ld.stop_vm(vm_a)
         ld.stop_vm(vm_b)
     save(RESULTS.name, result)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +41,6 @@ def timed_up(config_file: Path, stack: str) -> float:
     return time.monotonic() - t0
 
 
-def destroy(config_file: Path, stack: str) -> None:
-    subprocess.run([str(ROOT / "fimfleet"), "pulumi", "destroy", "--yes", "--skip-preview", "-s", stack,
-                    "--non-interactive", "--config-file", str(config_file)], cwd=ROOT, capture_output=True)
-
-
 def completion_through(out: dict, key: str, ca: Path) -> dict:
     ca.write_text(out["caPem"])
     with httpx.Client(base_url=out["endpoint"], verify=str(ca), timeout=120) as c:
@@ -66,7 +60,7 @@ def main() -> int:
         ld.say("A: pulumi up -s local onto a fresh VM (the engine starts for real)")
         one_s = timed_up(one_cfg, "local")
     finally:
-        destroy(one_cfg, "local")
+        ld.destroy(one_cfg, check=False, capture=True)
         ld.stop_vm(tmp / "vm-one")
     try:
         local_fleet.start(tmp, fleet_cfg, paths)
@@ -78,7 +72,7 @@ def main() -> int:
         through = completion_through(out, next(iter(keys.values())), tmp / "ca.pem")
         nodes = {n: v["state"] for n, v in out["nodes"].items()}
     finally:
-        destroy(fleet_cfg, local_fleet.STACK)
+        ld.destroy(fleet_cfg, check=False, stack=local_fleet.STACK, capture=True)
         local_fleet.stop(tmp)
     result = {"one_node_up_s": round(one_s, 1), "two_node_fleet_up_s": round(fleet_s, 1),
               "ratio_two_nodes_over_one": round(fleet_s / one_s, 3), "fleet_endpoint_completion": through,

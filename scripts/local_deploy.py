@@ -168,6 +168,13 @@ def up(config_file: Path, *extra: str, check=True, stack: str = "local") -> subp
     return subprocess.run([str(a) for a in argv], cwd=ROOT, text=True, check=check)
 
 
+def destroy(config_file: Path, *extra: str, check=True, stack: str = "local",
+            capture=False) -> subprocess.CompletedProcess:
+    argv = [ROOT / "fimfleet", "pulumi", "destroy", "-s", stack, "--yes", "--non-interactive", "--skip-preview",
+            "--config-file", config_file, *extra]
+    return subprocess.run([str(a) for a in argv], cwd=ROOT, text=True, check=check, capture_output=capture)
+
+
 def previous_outputs() -> dict:
     """The local stack's outputs before this run ({} for a new or empty stack)."""
     proc = subprocess.run([str(ROOT / "fimfleet"), "pulumi", "stack", "output", "-s", "local", "--json"], cwd=ROOT,

@@ -15,7 +15,6 @@ booted snapshot, and their engines start during `up` (benchmarks/fleet_deploy.py
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,11 +51,6 @@ def stop(root: Path) -> None:
         ld.stop_vm(state)
 
 
-def destroy(config_file: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(ld.ROOT / "fimfleet"), "pulumi", "destroy", "--yes", "-s", STACK, "--non-interactive",
-                           "--skip-preview", "--config-file", str(config_file)], cwd=ld.ROOT, text=True)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=ld.CACHE / "testbed" / "vms" / "demo-fleet")
@@ -64,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--destroy", action="store_true")
     a = ap.parse_args(argv)
     if a.destroy:
-        rc = destroy(a.config_file).returncode
+        rc = ld.destroy(a.config_file, check=False, stack=STACK).returncode
         stop(a.root)
         return rc
     t0 = time.monotonic()

@@ -50,8 +50,7 @@ def stack_config(stack: str, tmp_path: Path, **overrides) -> config.StackConfig:
             set_path(raw, path, state)
         raw["model"]["localPath"] = str(model_dir(tmp_path))
     for dotted, value in overrides.items():
-        section, leaf = dotted.split(".")
-        raw.setdefault(section, {})[leaf] = value
+        set_path(raw, dotted, value)
     return config.parse(raw, frozenset({"sshPrivateKey", "apiKeys"}))
 
 
