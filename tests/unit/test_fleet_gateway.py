@@ -2,9 +2,11 @@
 files, and what a change drains."""
 
 import json
+from pathlib import Path
 
 import pulumi
 import pytest
+import yaml
 
 from components import config, fleet as fleet_shape, gateway, ingress
 from components.fleet import Fleet
@@ -346,3 +348,14 @@ def test_cloud_nodes_behind_a_gateway_are_still_refused_by_name():
     with pytest.raises(config.ConfigError) as e:
         config.parse(raw, secret)
     assert "fimfleet:nodes.n2.address" in str(e.value) and "cloud nodes" in str(e.value)
+
+
+def test_the_local_fleet_is_the_local_stacks_node_twice():
+    """stacks/Pulumi.local-fleet.yaml repeats the local stack's settings (a stack file includes no
+    other): any drift would leave the fleet's canary unable to adopt the local serving snapshot's
+    engine, and the fleet no longer the tested single node twice."""
+    stacks = Path(__file__).resolve().parents[2] / "stacks"
+    one, fleet = (yaml.safe_load((stacks / f"Pulumi.{s}.yaml").read_text())["config"] for s in ("local", "local-fleet"))
+    own = {"fimfleet:nodes", "fimfleet:gateway"}
+    assert {k: v for k, v in fleet.items() if k not in own} == one
+    assert list(fleet["fimfleet:nodes"]) == ["node", "node2"] and fleet["fimfleet:gateway"]["host"] == "node"
