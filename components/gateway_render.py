@@ -26,6 +26,9 @@ from components.nginx_base import LOCK, STATE_DIR, NginxBase, address_port, chec
 FLEET_TLS_NAME = "fimfleet-node.internal"
 """The name every node's certificate carries beside its own, which the gateway verifies: one
 upstream group has one proxy_ssl_name. Each node's CA signed only that node's certificate."""
+FLEET_PROBE_KEY_NAME = "fimfleet_fleet_probe"
+"""The fleet's SLA gate through the gateway: every node's ingress accepts it too, and the
+gateway spreads its requests over the nodes instead of keeping them on one (site.conf.j2)."""
 GATEWAY = "gateway"
 """The gateway's site name on its host (nodes_config.RESERVED keeps nodes off it)."""
 MEMBER_PORT = 17443

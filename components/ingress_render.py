@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from components import grammar, nginx_base
-from components.gateway_render import DRAINED_RETRY_AFTER_S, FLEET_TLS_NAME, FleetUpstream
+from components.gateway_render import DRAINED_RETRY_AFTER_S, FLEET_PROBE_KEY_NAME, FLEET_TLS_NAME, FleetUpstream
 from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, address_port, check_int, check_path, int_problem
 
 _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
@@ -298,6 +298,7 @@ def _context(spec: IngressSpec) -> dict:
         "ecdh_curves": SSL_ECDH_CURVES,
         "fleet": spec.fleet,
         "fleet_tls_name": FLEET_TLS_NAME,
+        "fleet_probe_key_name": FLEET_PROBE_KEY_NAME,
         "member_servers": _member_servers(spec.fleet) if spec.fleet else [],
         "drained": _DRAINED_BODY,
         "drained_retry_after_s": DRAINED_RETRY_AFTER_S,

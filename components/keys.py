@@ -15,11 +15,11 @@ from typing import Any
 
 import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, Resource, ResourceProvider
+from components import gateway_render
 
 PROBE_KEY_NAME = "fimfleet_probe"
 """The ingress key name of the probe key; its per-key rate limit is its own."""
-FLEET_PROBE_KEY_NAME = "fimfleet_fleet_probe"
-"""The fleet's SLA gate through the gateway: every node's ingress accepts it too."""
+FLEET_PROBE_KEY_NAME = gateway_render.FLEET_PROBE_KEY_NAME
 RESERVED_PREFIX = "fimfleet_"
 
 

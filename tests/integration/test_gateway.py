@@ -33,6 +33,7 @@ USERS = [f"dev{i}" for i in range(32)]
 """nginx places the nodes on its hash ring by their member servers' addresses and port, and the
 test's member port is the kernel's choice, so which node a key lands on changes from run to run: with 32 keys both nodes get
 some in all but about one run in 2^31 (with 8, about one run in 128 put every key on one)."""
+PROBE = gateway_render.FLEET_PROBE_KEY_NAME
 GATEWAY_RATE = 5
 """Requests a second per key at the gateway, and its burst (the nodes allow 100)."""
 
@@ -41,7 +42,7 @@ class Fleet:
     """Nodes a and b, and the gateway in front of them, all on 127.0.0.1."""
 
     def __init__(self, root: Path):
-        self.root, self.keys = root, {u: secrets.token_urlsafe(24) for u in USERS}
+        self.root, self.keys = root, {u: secrets.token_urlsafe(24) for u in [*USERS, PROBE]}
         self.upstreams, self.nodes, self.cas = {}, {}, []
         for name in ("a", "b"):
             (root / name).mkdir()
@@ -134,6 +135,15 @@ def test_each_key_stays_on_one_node_and_the_keys_spread_over_both(fleet, client)
     assert all(len(h) == 1 for h in homes.values()), homes
     assert all(served[n] for n in fleet.nodes), f"one node got every key: {served}"
     assert sum(len(v) for v in served.values()) == 3 * len(USERS)  # nothing was sent twice
+
+
+def test_the_fleets_sla_probe_spreads_over_every_node(fleet, client):
+    """The fleet's SLA check through the gateway measures the fleet: its one key is not kept on one node."""
+    for _ in range(16):  # one in 2^15 runs would put all on one node
+        assert fleet.complete(client, PROBE).status_code == 200
+        time.sleep(1 / GATEWAY_RATE)
+    served = fleet.served_by()
+    assert all(PROBE in names for names in served.values()), served
 
 
 def test_a_drained_node_gets_nothing_and_its_keys_come_back_when_enabled(fleet, client):

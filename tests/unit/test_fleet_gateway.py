@@ -2,6 +2,7 @@
 files, and what a change drains."""
 
 import json
+import re
 from pathlib import Path
 
 import pulumi
@@ -10,7 +11,7 @@ import yaml
 
 from components import config, fleet as fleet_shape, gateway, ingress
 from components.fleet import Fleet
-from components.gateway_render import FLEET_TLS_NAME, _loopback, member_listens
+from components.gateway_render import FLEET_PROBE_KEY_NAME, FLEET_TLS_NAME, _loopback, member_listens
 from tests.helpers import TINY_CONFIG, raw_config
 
 NODES = {"n1": {"address": "203.0.113.10"}, "n2": {"address": "203.0.113.11"}, "n3": {"address": "203.0.113.12"}}
@@ -88,7 +89,9 @@ def test_the_gateway_trusts_the_nodes_cas_and_each_node_certificate_names_the_fl
         for n, listen in member_listens(NODES).items():
             assert f"listen {listen};" in site and f"enabled/{n})" in site
             assert f"{n} {listen}" in files["servers.sh"]["content"]
-        assert "hash $fimfleet_gateway_key_name consistent" in files["gateway.conf"]["content"]
+        assert "hash $fimfleet_gateway_route consistent" in site  # the key's name; the fleet probe's request id
+        assert re.search(r"map \$fimfleet_gateway_key_name \$fimfleet_gateway_route \{\s+"
+                         rf"{FLEET_PROBE_KEY_NAME} \$request_id;\s+default \$fimfleet_gateway_key_name;", site), site
         assert f"proxy_ssl_name {FLEET_TLS_NAME}" in files["gateway.conf"]["content"]
 
     return pulumi.Output.all(f.gateway.step.id, f.gateway.endpoint).apply(check)
