@@ -29,8 +29,7 @@ class Node:
         self.wiped_up = None  # test_local_deploy's test_07f's up, which test_07g also judges
 
     def ssh(self, script: str, timeout=120) -> tuple[int, str, str]:
-        with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(self.state)))) as client:
-            return ssh.run(client, script, timeout_s=timeout)
+        return vm_ssh(self.state, script, timeout)
 
     def outputs(self, secrets=False) -> dict:
         return ld.outputs(self.config_file, show_secrets=secrets, stack=self.stack)
@@ -41,6 +40,12 @@ class Node:
         return subprocess.run([str(ld.ROOT / "fimfleet"), "pulumi", *args, *where, "-s", self.stack,
                                "--non-interactive", "--config-file", str(self.config_file)], cwd=ld.ROOT,
                               capture_output=True, text=True, timeout=3600, check=check)
+
+
+def vm_ssh(state: Path, script: str, timeout=120) -> tuple[int, str, str]:
+    """`script` on the test VM of `state`, under `set -euo pipefail` (components/ssh.py)."""
+    with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(state)))) as client:
+        return ssh.run(client, script, timeout_s=timeout)
 
 
 def shown(proc: subprocess.CompletedProcess) -> str:

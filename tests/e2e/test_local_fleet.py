@@ -1,0 +1,203 @@
+"""End to end: the real Pulumi CLI deploys the `local-fleet` stack, two test VMs behind a gateway
+beside the first (scripts/local_fleet.py), and rolls changes over it.
+
+One stack for the module, steps in order: fleet `up` (both engines adopted from serving
+snapshots) → a no-op `up` changes nothing → each key stays on one node → a rolling engine change
+while a client streams through the gateway: no failed request, each engine restarted exactly
+once → a change that fails the canary's SLA: `up` fails, node2 untouched and serving, the
+gateway sends the canary nothing → `destroy` removes both nodes and the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from components import runtime
+from scripts import local_deploy as ld
+from scripts import local_fleet
+from tests.e2e.local_stack import Node, keys, live, shown, vm_ssh
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
+
+NODES = local_fleet.NODES
+CANARY, OTHER = NODES
+ROLL_SEQS = "3"
+"""The rolling change: engine.maxNumSeqs (the local-vm tier's 2), which restarts every engine."""
+FAILING_SYSCTL = ("vm.dirty_ratio", "11")
+"""The canary's failing change: a kernel value (drains and retunes the node, no engine restart),
+with an SLA no engine can meet."""
+
+
+class Fleet(Node):
+    def __init__(self, tmp):
+        super().__init__(tmp, stack=local_fleet.STACK)
+        self.vms = local_fleet.states(tmp)
+
+    def on(self, name: str, script: str, timeout=120) -> str:
+        code, out, err = vm_ssh(self.vms[name], script, timeout)
+        assert code == 0, f"{name}: {script}\n{out}\n{err}"
+        return out
+
+    def served_by(self) -> dict[str, list[str]]:
+        """Node -> the key names of the completions its own ingress logged (the gateway's
+        requests land there; a node logs a request once its last byte has left)."""
+        return {n: [json.loads(line)["key"] for line in self.on(
+            n, f"cat /var/log/nginx/fimfleet-{n}-access.log 2>/dev/null || true").splitlines()
+            if '"/v1/completions"' in line] for n in NODES}
+
+    def journal_cursor(self, name: str) -> str:
+        out = self.on(name, "journalctl -n 0 --show-cursor --no-pager")
+        return re.search(r"-- cursor: (\S+)", out).group(1)
+
+    def engine_starts(self, name: str, cursor: str) -> int:
+        """How often systemd started node `name`'s engine since `cursor`."""
+        out = self.on(name, f"journalctl -u {runtime.unit_name(name)} --after-cursor='{cursor}' -o cat --no-pager")
+        return sum(1 for line in out.splitlines() if line.startswith("Started "))
+
+    def gateway(self) -> httpx.Client:
+        out = self.outputs()
+        ca = self.tmp / "gateway-ca.pem"
+        ca.write_text(out["caPem"])
+        return httpx.Client(base_url=out["endpoint"], verify=str(ca), timeout=120)
+
+
+BODY = {"prompt": "<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>", "max_tokens": 4,
+        "temperature": 0, "stream": True}
+
+
+def stream_once(c: httpx.Client, key: str, model: str) -> str | None:
+    """One streamed FIM completion; None when it ended with [DONE], else what went wrong."""
+    try:
+        with c.stream("POST", "/v1/completions", json={**BODY, "model": model},
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+            if r.status_code != 200:
+                return f"HTTP {r.status_code}: {r.read()[:300]!r}"
+            lines = list(r.iter_lines())
+        return None if "data: [DONE]" in lines else f"stream ended without [DONE]: {lines[-3:]}"
+    except httpx.HTTPError as err:
+        return f"{type(err).__name__}: {err}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, request):
+    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    # Its own Pulumi state, so the demo fleet on this machine is never touched.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FIMFLEET_BACKEND_URL", f"file://{f.tmp / 'state'}")
+    try:
+        with live(request):
+            paths = ld.prepare()
+            # Both VMs from serving snapshots (node2's is built once, the first time): `up` adopts both engines.
+            local_fleet.start(f.tmp, f.config_file, paths, serving=True)
+        t0 = time.monotonic()
+        f.first_up = f.pulumi("up", "--yes", "--skip-preview")
+        f.up_seconds = time.monotonic() - t0
+        f.destroyed = False
+        yield f
+        if not f.destroyed:
+            f.pulumi("destroy", "--yes")
+    finally:
+        local_fleet.stop(f.tmp)
+        mp.undo()
+
+
+def test_01_up_deploys_both_nodes_behind_the_gateway(fleet):
+    assert fleet.first_up.returncode == 0, shown(fleet.first_up)
+    out = fleet.outputs()
+    assert {n: v["state"] for n, v in out["nodes"].items()} == {n: "in rotation" for n in NODES}, out["nodes"]
+    forwards = json.loads((fleet.vms[CANARY] / "info.json").read_text())["ports"]
+    assert out["endpoint"] == f"https://127.0.0.1:{forwards[str(local_fleet.GATEWAY_PORT)]}", out["endpoint"]
+    assert "passed" in out["fleetSlaReport"].lower(), out["fleetSlaReport"]
+    with fleet.gateway() as c:
+        assert stream_once(c, next(iter(keys(fleet).values())), out["model"]) is None
+        assert c.post("/v1/completions", json={**BODY, "model": out["model"]}).status_code == 401
+
+
+def test_02_a_second_up_changes_nothing(fleet):
+    proc = fleet.pulumi("up", "--yes", "--skip-preview")
+    assert proc.returncode == 0 and "unchanged" in proc.stdout, shown(proc)
+    assert not re.search(r"\bupdated\b|\bcreated\b|\breplaced\b", proc.stdout), shown(proc)
+
+
+def test_03_each_key_stays_on_one_node(fleet):
+    before = fleet.served_by()
+    model = fleet.outputs()["model"]
+    with fleet.gateway() as c:
+        for _ in range(3):
+            for name, key in keys(fleet).items():
+                assert stream_once(c, key, model) is None, name
+    after = fleet.served_by()
+    new = {n: after[n][len(before[n]):] for n in NODES}
+    for name in keys(fleet):
+        where = [n for n in NODES if name in new[n]]
+        assert len(where) == 1 and sum(new[n].count(name) for n in NODES) == 3, f"key {name} went to {new}"
+
+
+def test_04_a_rolling_engine_change_fails_no_request_and_restarts_each_engine_once(fleet):
+    cursors = {n: fleet.journal_cursor(n) for n in NODES}
+    model, key = fleet.outputs()["model"], next(iter(keys(fleet).values()))
+    results: list[str | None] = []
+    done = threading.Event()
+
+    def client():
+        with fleet.gateway() as c:
+            while not done.is_set():
+                results.append(stream_once(c, key, model))
+
+    worker = threading.Thread(target=client, daemon=True)
+    worker.start()
+    fleet.pulumi("config", "set", "--path", "fimfleet:engine.maxNumSeqs", ROLL_SEQS, check=True)
+    try:
+        proc = fleet.pulumi("up", "--yes", "--skip-preview")
+    finally:
+        done.set()
+        worker.join(timeout=300)
+    assert proc.returncode == 0, shown(proc)
+    failed = [r for r in results if r is not None]
+    assert len(results) >= 10 and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
+    assert {n: fleet.engine_starts(n, cursors[n]) for n in NODES} == {n: 1 for n in NODES}
+    for n in NODES:
+        assert f"--max-num-seqs {ROLL_SEQS}" in fleet.on(n, f"cat {runtime.unit_paths(n)[0]}"), n
+    out = fleet.outputs()
+    assert {n: v["state"] for n, v in out["nodes"].items()} == {n: "in rotation" for n in NODES}, out["nodes"]
+
+
+def test_05_a_change_that_fails_the_canarys_sla_stops_there(fleet):
+    cursor = fleet.journal_cursor(OTHER)
+    sysctl, value = FAILING_SYSCTL
+    fleet.pulumi("config", "set", "--path", f'fimfleet:kernel.sysctl["{sysctl}"]', value, check=True)
+    for k in ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms"):
+        fleet.pulumi("config", "set", "--path", f"fimfleet:sla.{k}", "0.001", check=True)
+    proc = fleet.pulumi("up", "--yes", "--skip-preview")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, "an SLA no node can meet did not fail pulumi up"
+    assert "ttft" in text.lower() and "0.001" in text and "Traceback" not in text, shown(proc)
+    # The canary got the change and stays drained; node2 got nothing and serves every request.
+    assert fleet.on(CANARY, f"sysctl -n {sysctl}").strip() == value
+    assert fleet.on(OTHER, f"sysctl -n {sysctl}").strip() != value
+    assert fleet.engine_starts(OTHER, cursor) == 0
+    before = fleet.served_by()
+    model = fleet.outputs()["model"]
+    with fleet.gateway() as c:
+        for name, key in keys(fleet).items():
+            assert stream_once(c, key, model) is None, name
+    after = fleet.served_by()
+    assert after[CANARY] == before[CANARY], f"the drained canary was sent {after[CANARY][len(before[CANARY]):]}"
+    assert len(after[OTHER]) == len(before[OTHER]) + len(keys(fleet)), (before, after)
+
+
+def test_06_destroy_removes_both_nodes_and_the_gateway(fleet):
+    proc = fleet.pulumi("destroy", "--yes")
+    fleet.destroyed = proc.returncode == 0
+    assert proc.returncode == 0, shown(proc)
+    for n in NODES:
+        out = fleet.on(n, f"systemctl show -p LoadState --value {runtime.unit_name(n)}; "
+                          "{ ls /etc/nginx/fimfleet.d 2>/dev/null || true; } | wc -l; "
+                          "dpkg-query -W -f='${Status}\\n' nginx 2>/dev/null | grep -c 'ok installed' || true")
+        assert out.split() == ["not-found", "0", "0"], f"{n} keeps: {out}"
