@@ -11,8 +11,9 @@ one at that moment would get no answer (benchmarks/roll_capacity.py measured it)
 
 A roll removes the marker (drain), waits for the node's streams, updates the node, checks
 its SLA, and puts the marker back (enable), so a node that failed its check stays out of
-rotation and a rerun of the gateway's own step never puts it back. The generated servers
-file also marks such a node down, for whenever nginx next reloads.
+rotation and a rerun of the gateway's own step never puts it back. The servers file lists
+every member, drained or not, so that no reload (a key change, a new node) can leave a node
+out of rotation that its enable put back.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class FleetUpstream:
     max_fails: int = 2
     fail_timeout_s: int = 10
     tries: int = 2
-    """Attempts per request, the first included; only before any byte reached the client."""
+    """Attempts per request, the first included; only before any byte reached the client. One
+    more than the nodes a roll drains at once, so a request finds a node in rotation."""
     affinity: bool = True
     """Keep True: each key on one node. False is round robin, the baseline of
     benchmarks/gateway_affinity.py."""
