@@ -8,8 +8,8 @@ it serves.
 With a gateway (components/gateway.py) the nodes roll in waves: the first node (the canary)
 alone, then `rollout.maxUnavailable` at a time. A node whose engine or host changes is drained
 at the gateway first, checked directly, then enabled; the next wave waits for the enables. A
-node the last `up` did not deploy serves nobody yet, so it waits only for the canary: a fresh
-fleet is the canary, then all the rest at once.
+node the last `up` did not deploy serves nobody yet, so its engine waits only for the canary
+and its host is set up beside the canary: a fresh fleet is the canary, then all the rest at once.
 The gateway's host (a node's, or its own machine without an engine) is set up first and is
 not gated, since every drain runs there.
 """
@@ -120,12 +120,15 @@ class Fleet(pulumi.ComponentResource):
         for i, wave in enumerate(gateway_shape.waves(list(args.nodes), gw.max_unavailable)):
             enables = []
             for node_name in wave:
-                gate = wave_gate
-                if i > 1 and serving is not None:  # a serving node waits for the wave before it, a new one for the canary
+                gate = base_gate = wave_gate
+                if i > 0 and serving is not None:
+                    # A serving node (and its host) waits for the wave before it. A new one serves
+                    # nobody: its engine waits for the canary, its host's setup for nothing.
                     gate = serving.apply(lambda names, n=node_name, w=wave_gate, c=canary_gate: w if n in names else c)
+                    base_gate = serving.apply(lambda names, n=node_name, w=wave_gate: w if n in names else [])
                 node_args = args.nodes[node_name]
                 host_args = args.hosts[node_args.host]
-                base = self._host(node_args.host, args, gate)
+                base = self._host(node_args.host, args, base_gate)
                 trigger = gateway_shape.rollout_digest(node_args.runtime, host_args.kernel, host_args.host.packages)
                 drain = gateway_shape.member_step(node_name, False, gw, gw_base.connection, gw_base.nginx_settings,
                                                   trigger, self, after=gate)
@@ -153,5 +156,7 @@ class Fleet(pulumi.ComponentResource):
                 model=first.model, thresholds=s.thresholds, samples=s.samples * len(args.nodes), warmup=s.warmup,
                 concurrency=s.concurrency * len(args.nodes), max_tokens=s.max_tokens,
                 trigger=triggers.apply(lambda t: templates.digest(self.gateway.digest, *t)),
-                ceiling=None, opts=pulumi.ResourceOptions(parent=self,
-                                                          depends_on=[self.gateway.step, *self.enables.values()]))
+                ceiling=None, opts=pulumi.ResourceOptions(parent=self, depends_on=[
+                    self.gateway.step, *self.enables.values(),
+                    # as each node's own check: never while a node's Prometheus installs and loads it
+                    *[step for svc in self.nodes.values() if svc.monitoring for step in svc.monitoring.steps]]))

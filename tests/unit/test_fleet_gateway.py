@@ -61,6 +61,10 @@ def test_a_roll_drains_checks_and_enables_each_node_wave_after_wave(recorder):
         assert not deps(t, "n1", "fimfleet:host:HostBase")
         # the fleet's check runs through the gateway after every node is back
         assert {"n2-enable", "n3-enable", "gateway-ingress-nginx"} <= deps(t, "fleet-sla")
+        # and after every node's Prometheus and node_exporter steps, which would load the node it measures
+        monitoring = {r["name"] for r in recorder.registrations
+                      if r["type"] == "pulumi-python:dynamic:Resource" and "-monitoring-" in r["name"]}
+        assert {f"{n}-monitoring-exporter" for n in NODES} <= monitoring <= deps(t, "fleet-sla"), monitoring
         sla = [r for r in recorder.registrations if r["name"] == "fleet-sla"][0]["inputs"]
         n1 = [r for r in recorder.registrations if r["name"] == "n1-sla"][0]["inputs"]
         assert sla["concurrency"] == 3 * n1["concurrency"]
@@ -251,14 +255,21 @@ def test_drains_run_on_the_gateways_host_which_is_set_up_first_and_ungated(recor
 ])
 @pulumi.runtime.test
 def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, deployed, n3_waits_for):
+    """n3 is in the third wave (maxUnavailable 1)."""
     f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(rollout={"maxUnavailable": 1})), deployed=deployed)
     other = {"n1-enable", "n2-enable"} - {n3_waits_for}
 
     def check(_):
         t = deps_by_name(recorder)
         assert "n1-enable" in deps(t, "n2-drain")  # the second wave always follows the canary
-        for name, type_ in (("n3-drain", None), ("n3", "fimfleet:host:HostBase"), ("n3", "fimfleet:node:NodeService")):
+        for name, type_ in (("n3-drain", None), ("n3", "fimfleet:node:NodeService")):
             assert n3_waits_for in deps(t, name, type_) and not other & deps(t, name, type_), (name, deps(t, name, type_))
+        # a new node's host is set up beside the canary; a serving node's host waits for its wave
+        host = deps(t, "n3", "fimfleet:host:HostBase")
+        new = deployed is not None and "n3" not in deployed
+        assert (not host & {"n1-enable", "n2-enable"}) if new else (n3_waits_for in host and not other & host), host
+        if deployed == []:  # the second wave too
+            assert "n1-enable" not in deps(t, "n2", "fimfleet:host:HostBase")
         assert {"n1-enable", "n2-enable", "n3-enable"} <= deps(t, "fleet-sla")
 
     return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
@@ -362,3 +373,9 @@ def test_the_local_fleet_is_the_local_stacks_node_twice():
     own = {"fimfleet:nodes", "fimfleet:gateway"}
     assert {k: v for k, v in fleet.items() if k not in own} == one
     assert list(fleet["fimfleet:nodes"]) == ["node", "node2"] and fleet["fimfleet:gateway"]["host"] == "node"
+
+
+@pytest.mark.parametrize("max_unavailable, tries", [(1, 2), (2, 3), (5, 3)])
+def test_a_request_may_try_one_node_more_than_a_roll_drains_at_once(max_unavailable, tries):
+    fleet = gateway.args_for(fleet_cfg(rollout={"maxUnavailable": max_unavailable})).ingress.fleet
+    assert fleet.tries == tries  # capped at the three nodes
