@@ -2,10 +2,19 @@
 beside the first (scripts/local_fleet.py), and rolls changes over it.
 
 One stack for the module, steps in order: fleet `up` (both engines adopted from serving
-snapshots) → a no-op `up` changes nothing → each key stays on one node → a rolling engine change
-while a client streams through the gateway: no failed request, each engine restarted exactly
-once → a change that fails the canary's SLA: `up` fails, node2 untouched and serving, the
-gateway sends the canary nothing → `destroy` removes both nodes and the gateway.
+snapshots) → a no-op `up` changes nothing → each key stays on one node → a rolling change while
+a client streams through the gateway: the canary drained, checked and enabled before node2, no
+failed request → a change that fails the canary's SLA: `up` fails, node2 untouched and serving,
+the gateway sends the canary nothing → `destroy` removes both nodes and the gateway.
+
+The rolling change is a kernel value: it drains, retunes and checks each node in turn as an
+engine change does, without the engine's restart (6-7 minutes per node under emulation, which
+`.ci/run` cannot afford twice more). A roll with real engine restarts is measured natively by
+benchmarks/roll_capacity.py; the local-docker e2e rolls a real engine restart on one VM.
+
+Not in `./fimfleet test`'s default run (pytest.ini deselects the `fleet` marker): two more VMs
+are about 13 minutes that `.ci/run`'s 45 cannot hold beside the rest. Run it with
+`./fimfleet test -m fleet tests/e2e/test_local_fleet.py`.
 """
 
 from __future__ import annotations
@@ -19,19 +28,18 @@ import httpx
 import pytest
 
 from components import runtime
+from components.gateway_render import FLEET_PROBE_KEY_NAME
 from scripts import local_deploy as ld
 from scripts import local_fleet
 from tests.e2e.local_stack import Node, keys, live, shown, vm_ssh
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.fleet, pytest.mark.timeout(5400)]
 
 NODES = local_fleet.NODES
 CANARY, OTHER = NODES
-ROLL_SEQS = "3"
-"""The rolling change: engine.maxNumSeqs (the local-vm tier's 2), which restarts every engine."""
-FAILING_SYSCTL = ("vm.dirty_ratio", "11")
-"""The canary's failing change: a kernel value (drains and retunes the node, no engine restart),
-with an SLA no engine can meet."""
+SYSCTL = "vm.dirty_ratio"
+"""The rolling changes: a kernel value (components/kernel.py tunes it to 10)."""
+ROLLED, FAILING = "11", "12"
 
 
 class Fleet(Node):
@@ -114,6 +122,9 @@ def test_01_up_deploys_both_nodes_behind_the_gateway(fleet):
     forwards = json.loads((fleet.vms[CANARY] / "info.json").read_text())["ports"]
     assert out["endpoint"] == f"https://127.0.0.1:{forwards[str(local_fleet.GATEWAY_PORT)]}", out["endpoint"]
     assert "passed" in out["fleetSlaReport"].lower(), out["fleetSlaReport"]
+    # The fleet's check went through the gateway to both nodes (its requests are spread over them).
+    served = fleet.served_by()
+    assert all(FLEET_PROBE_KEY_NAME in served[n] for n in NODES), {n: set(v) for n, v in served.items()}
     with fleet.gateway() as c:
         assert stream_once(c, next(iter(keys(fleet).values())), out["model"]) is None
         assert c.post("/v1/completions", json={**BODY, "model": out["model"]}).status_code == 401
@@ -139,7 +150,7 @@ def test_03_each_key_stays_on_one_node(fleet):
         assert len(where) == 1 and sum(new[n].count(name) for n in NODES) == 3, f"key {name} went to {new}"
 
 
-def test_04_a_rolling_engine_change_fails_no_request_and_restarts_each_engine_once(fleet):
+def test_04_a_rolling_change_drains_one_node_at_a_time_and_fails_no_request(fleet):
     cursors = {n: fleet.journal_cursor(n) for n in NODES}
     model, key = fleet.outputs()["model"], next(iter(keys(fleet).values()))
     results: list[str | None] = []
@@ -152,7 +163,7 @@ def test_04_a_rolling_engine_change_fails_no_request_and_restarts_each_engine_on
 
     worker = threading.Thread(target=client, daemon=True)
     worker.start()
-    fleet.pulumi("config", "set", "--path", "fimfleet:engine.maxNumSeqs", ROLL_SEQS, check=True)
+    fleet.pulumi("config", "set", "--path", f'fimfleet:kernel.sysctl["{SYSCTL}"]', ROLLED, check=True)
     try:
         proc = fleet.pulumi("up", "--yes", "--skip-preview")
     finally:
@@ -160,18 +171,21 @@ def test_04_a_rolling_engine_change_fails_no_request_and_restarts_each_engine_on
         worker.join(timeout=300)
     assert proc.returncode == 0, shown(proc)
     failed = [r for r in results if r is not None]
-    assert len(results) >= 10 and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
-    assert {n: fleet.engine_starts(n, cursors[n]) for n in NODES} == {n: 1 for n in NODES}
+    assert len(results) >= 5 and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
+    # The canary's drain, check and enable, then node2's: one node out of rotation at a time.
+    steps = [m.group(1) for m in re.finditer(r"(\S+-(?:drain|enable|sla)) (?:updated|replaced)", proc.stdout)]
+    assert steps == [f"{CANARY}-drain", f"{CANARY}-sla", f"{CANARY}-enable",
+                     f"{OTHER}-drain", f"{OTHER}-sla", f"{OTHER}-enable", "fleet-sla"], shown(proc)
     for n in NODES:
-        assert f"--max-num-seqs {ROLL_SEQS}" in fleet.on(n, f"cat {runtime.unit_paths(n)[0]}"), n
+        assert fleet.on(n, f"sysctl -n {SYSCTL}").strip() == ROLLED, n
+        assert fleet.engine_starts(n, cursors[n]) == 0, f"{n}'s engine was restarted by a kernel change"
     out = fleet.outputs()
     assert {n: v["state"] for n, v in out["nodes"].items()} == {n: "in rotation" for n in NODES}, out["nodes"]
 
 
 def test_05_a_change_that_fails_the_canarys_sla_stops_there(fleet):
     cursor = fleet.journal_cursor(OTHER)
-    sysctl, value = FAILING_SYSCTL
-    fleet.pulumi("config", "set", "--path", f'fimfleet:kernel.sysctl["{sysctl}"]', value, check=True)
+    fleet.pulumi("config", "set", "--path", f'fimfleet:kernel.sysctl["{SYSCTL}"]', FAILING, check=True)
     for k in ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms"):
         fleet.pulumi("config", "set", "--path", f"fimfleet:sla.{k}", "0.001", check=True)
     proc = fleet.pulumi("up", "--yes", "--skip-preview")
@@ -179,8 +193,8 @@ def test_05_a_change_that_fails_the_canarys_sla_stops_there(fleet):
     assert proc.returncode != 0, "an SLA no node can meet did not fail pulumi up"
     assert "ttft" in text.lower() and "0.001" in text and "Traceback" not in text, shown(proc)
     # The canary got the change and stays drained; node2 got nothing and serves every request.
-    assert fleet.on(CANARY, f"sysctl -n {sysctl}").strip() == value
-    assert fleet.on(OTHER, f"sysctl -n {sysctl}").strip() != value
+    assert fleet.on(CANARY, f"sysctl -n {SYSCTL}").strip() == FAILING
+    assert fleet.on(OTHER, f"sysctl -n {SYSCTL}").strip() == ROLLED
     assert fleet.engine_starts(OTHER, cursor) == 0
     before = fleet.served_by()
     model = fleet.outputs()["model"]
