@@ -187,13 +187,14 @@ def test_05_a_change_that_fails_the_canarys_sla_stops_there(fleet):
     cursor = fleet.journal_cursor(OTHER)
     fleet.pulumi("config", "set", "--path", f'fimfleet:kernel.sysctl["{SYSCTL}"]', FAILING, check=True)
     for k in ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms"):
-        fleet.pulumi("config", "set", "--path", f"fimfleet:sla.{k}", "0.001", check=True)
+        fleet.pulumi("config", "set", "--path", f"fimfleet:sla.{k}", "0.001", "--type", "float", check=True)
     proc = fleet.pulumi("up", "--yes", "--skip-preview")
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, "an SLA no node can meet did not fail pulumi up"
-    assert "ttft" in text.lower() and "0.001" in text and "Traceback" not in text, shown(proc)
-    # The canary got the change and stays drained; node2 got nothing and serves every request.
-    assert fleet.on(CANARY, f"sysctl -n {SYSCTL}").strip() == FAILING
+    assert "SLA MISSED" in text and "limit <= 0.001" in text and "Traceback" not in text, shown(proc)
+    # The canary was drained and stays so; node2 was not touched and serves every request.
+    assert re.search(rf"{CANARY}-drain +updated", proc.stdout), shown(proc)
+    assert not re.search(rf"{OTHER}-\S+ +updated", proc.stdout), shown(proc)
     assert fleet.on(OTHER, f"sysctl -n {SYSCTL}").strip() == ROLLED
     assert fleet.engine_starts(OTHER, cursor) == 0
     before = fleet.served_by()
