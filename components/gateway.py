@@ -60,7 +60,8 @@ def args_for(cfg, nginx: NginxBase = NginxBase()) -> GatewayArgs | None:
     host, view = (GATEWAY, cfg.for_gateway()) if cfg.gateway_host else (gw.host, cfg.for_node(gw.host))
     fleet = FleetUpstream(members=members, paths=GatewayPaths(servers=f"{nginx.sites_dir}/{SERVERS_FILE}"),
                           ca_path=f"{ingress.TLS_ROOT}/{GATEWAY}/nodes-ca.pem", max_fails=gw.max_fails,
-                          fail_timeout_s=gw.fail_timeout_s, tries=min(len(members), cfg.rollout.max_unavailable + 1), member_port=gw.member_port)
+                          fail_timeout_s=gw.fail_timeout_s, tries=min(len(members), cfg.rollout.max_unavailable + 1),
+                          member_port=gw.member_port)
     settings = dataclasses.replace(cfg.ingress, https_port=gw.https_port, http_port=gw.http_port)
     site = dataclasses.replace(ingress.args_for(view, GATEWAY), settings=settings, fleet=fleet, monitoring=False)
     return GatewayArgs(host=host, ingress=site, max_unavailable=cfg.rollout.max_unavailable,

@@ -15,6 +15,7 @@ from typing import Any
 
 import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, Resource, ResourceProvider
+
 from components import gateway_render
 
 PROBE_KEY_NAME = "fimfleet_probe"
