@@ -143,7 +143,7 @@ class FleetUpstream:
 
 
 def servers_script(fleet: FleetUpstream) -> str:
-    """The generator installed at paths.generator: writes the servers file from the markers."""
+    """The generator installed at paths.generator: writes the servers file from the member list."""
     return templates.render("gateway/servers.sh.j2", fleet=fleet, paths=fleet.paths, listens=fleet.listens)
 
 

@@ -13,7 +13,7 @@ engine change does, without the engine's restart (6-7 minutes per node under emu
 benchmarks/roll_capacity.py; the local-docker e2e rolls a real engine restart on one VM.
 
 Not in `./fimfleet test`'s default run (pytest.ini deselects the `fleet` marker): two more VMs
-are about 13 minutes that `.ci/run`'s 45 cannot hold beside the rest. Run it with
+are about 12 minutes that `.ci/run`'s 45 cannot hold beside the rest. Run it with
 `./fimfleet test -m fleet tests/e2e/test_local_fleet.py`.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import httpx
 import pytest
@@ -31,7 +30,7 @@ from components import runtime
 from components.gateway_render import FLEET_PROBE_KEY_NAME
 from scripts import local_deploy as ld
 from scripts import local_fleet
-from tests.e2e.local_stack import Node, keys, live, shown, vm_ssh
+from tests.e2e.local_stack import Node, client, keys, live, shown, vm_ssh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fleet, pytest.mark.timeout(5400)]
 
@@ -68,12 +67,6 @@ class Fleet(Node):
         out = self.on(name, f"journalctl -u {runtime.unit_name(name)} --after-cursor='{cursor}' -o cat --no-pager")
         return sum(1 for line in out.splitlines() if line.startswith("Started "))
 
-    def gateway(self) -> httpx.Client:
-        out = self.outputs()
-        ca = self.tmp / "gateway-ca.pem"
-        ca.write_text(out["caPem"])
-        return httpx.Client(base_url=out["endpoint"], verify=str(ca), timeout=120)
-
 
 BODY = {"prompt": "<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>", "max_tokens": 4,
         "temperature": 0, "stream": True}
@@ -103,9 +96,7 @@ def fleet(tmp_path_factory, request):
             paths = ld.prepare()
             # Both VMs from serving snapshots (node2's is built once, the first time): `up` adopts both engines.
             local_fleet.start(f.tmp, f.config_file, paths, serving=True)
-        t0 = time.monotonic()
         f.first_up = f.pulumi("up", "--yes", "--skip-preview")
-        f.up_seconds = time.monotonic() - t0
         f.destroyed = False
         yield f
         if not f.destroyed:
@@ -125,7 +116,7 @@ def test_01_up_deploys_both_nodes_behind_the_gateway(fleet):
     # The fleet's check went through the gateway to both nodes (its requests are spread over them).
     served = fleet.served_by()
     assert all(FLEET_PROBE_KEY_NAME in served[n] for n in NODES), {n: set(v) for n, v in served.items()}
-    with fleet.gateway() as c:
+    with client(fleet) as c:
         assert stream_once(c, next(iter(keys(fleet).values())), out["model"]) is None
         assert c.post("/v1/completions", json={**BODY, "model": out["model"]}).status_code == 401
 
@@ -139,7 +130,7 @@ def test_02_a_second_up_changes_nothing(fleet):
 def test_03_each_key_stays_on_one_node(fleet):
     before = fleet.served_by()
     model = fleet.outputs()["model"]
-    with fleet.gateway() as c:
+    with client(fleet) as c:
         for _ in range(3):
             for name, key in keys(fleet).items():
                 assert stream_once(c, key, model) is None, name
@@ -156,12 +147,12 @@ def test_04_a_rolling_change_drains_one_node_at_a_time_and_fails_no_request(flee
     results: list[str | None] = []
     done = threading.Event()
 
-    def client():
-        with fleet.gateway() as c:
+    def stream_all_along():
+        with client(fleet) as c:
             while not done.is_set():
                 results.append(stream_once(c, key, model))
 
-    worker = threading.Thread(target=client, daemon=True)
+    worker = threading.Thread(target=stream_all_along, daemon=True)
     worker.start()
     fleet.pulumi("config", "set", "--path", f'fimfleet:kernel.sysctl["{SYSCTL}"]', ROLLED, check=True)
     try:
@@ -199,7 +190,7 @@ def test_05_a_change_that_fails_the_canarys_sla_stops_there(fleet):
     assert fleet.engine_starts(OTHER, cursor) == 0
     before = fleet.served_by()
     model = fleet.outputs()["model"]
-    with fleet.gateway() as c:
+    with client(fleet) as c:
         for name, key in keys(fleet).items():
             assert stream_once(c, key, model) is None, name
     after = fleet.served_by()
