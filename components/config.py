@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from components import gateway_render, ingress_render, models, sizing
+from components import gateway_render, grammar, ingress_render, models, sizing
 from components.cloud_types import PROVIDERS, plain_credentials
 from components.tiers import TIERS, Tier
 
@@ -306,9 +306,6 @@ SECTIONS = {
     "monitoring": MonitoringConfig, "gateway": GatewayConfig, "rollout": RolloutConfig,
 }
 TOP_LEVEL = ("tier", *SECTIONS, "nodes", *SECRET_KEYS)
-PY_TYPES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a map"}
-
-
 def _tier_defaults(tier: Tier) -> dict[str, dict[str, Any]]:
     """The tier's values for each section, in config-key spelling."""
     return {
@@ -356,7 +353,7 @@ def _parse_section(name, cls, raw, defaults, problems):
         if want is list and isinstance(v, tuple):
             v = list(v)
         if want and not (isinstance(v, want) and not (want in (int, float) and isinstance(v, bool))):
-            problems.append(Problem(f"{name}.{ck}", v, f"must be {PY_TYPES.get(want, want.__name__)}"))
+            problems.append(Problem(f"{name}.{ck}", v, grammar.wrong_type(want, v)))
             continue
         md = f.metadata
         if "choices" in md and v not in md["choices"]:

@@ -190,3 +190,20 @@ def ssh_public_key(v) -> str | None:
 
 def dns_label(v) -> str | None:
     return None if _full(DNS_LABEL, v) else "must be a DNS label: lower-case letters, digits and -, 1-63 chars"
+
+
+TYPE_WORDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a map"}
+
+
+def wrong_type(want: type, v) -> str:
+    """The fix for a value of the wrong type. `pulumi config set --path` stores only integers,
+    true and false as such, so a decimal typed that way arrives as text: say how to set it."""
+    fix = f"must be {TYPE_WORDS.get(want, want.__name__)}"
+    if want in (int, float) and isinstance(v, str):
+        try:
+            want(v.strip())
+        except ValueError:
+            return fix
+        fix += (f", not the text {v!r}: `pulumi config set --path` stores a decimal as text unless given "
+                f"`--type {want.__name__}`; or write it unquoted in the stack file")
+    return fix

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from components import config, passphrase
+from components import config, grammar, passphrase
 from tests.helpers import raw_config
 
 
@@ -112,6 +112,10 @@ BAD = [
     ({"monitoring": {"scrapeIntervalS": "15"}}, "monitoring.scrapeIntervalS", "whole number"),
     ({"monitoring": {"alertmanagerWebhookUrl": "hooks.example.com/x"}}, "monitoring.alertmanagerWebhookUrl", "http"),
     ({"monitoring": {"enabled": "yes"}}, "monitoring.enabled", "true or false"),
+    # `pulumi config set --path k 150.5` stores the text '150.5': the fix says how to store a number.
+    ({"sla": {"ttftP50Ms": "150.5"}}, "sla.ttftP50Ms", "--type float"),
+    ({"sla": {"samples": "40"}}, "sla.samples", "--type int"),
+    ({"sla": {"samples": "forty"}}, "sla.samples", "whole number"),
     ({"monitoring": {"port": 9090}}, "monitoring.port", "unknown key"),
     # Misleading messages before.
     ({"engine": {"extraArgs": ["--device", "cpu"]}}, "engine.extraArgs", "removed"),
@@ -309,3 +313,10 @@ def test_a_registry_login_is_for_the_docker_runtime_only():
     with pytest.raises(config.ConfigError) as e:
         config.parse(raw, secret | {"registryPassword"})
     assert [p.key for p in e.value.problems] == ["runtime.registryUser"], e.value.problems
+
+
+def test_only_text_that_reads_as_the_number_is_told_about_type():
+    assert "--type" not in grammar.wrong_type(int, "forty")
+    assert "--type" not in grammar.wrong_type(int, "1.5")
+    assert "--type" not in grammar.wrong_type(str, 3)
+    assert "`--type float`" in grammar.wrong_type(float, "0.001")
