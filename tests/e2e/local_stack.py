@@ -55,6 +55,27 @@ def shown(proc: subprocess.CompletedProcess) -> str:
     return text[-8000:] + "\n--- stderr ---\n" + (proc.stderr or "")[-2000:]
 
 
+IMPOSSIBLE_TTFT_MS = "0.001"
+TTFT_KEYS = ("ttftP50Ms", "ttftP95Ms", "ttftP99Ms")
+
+
+def set_impossible_sla(node, on: bool = True) -> None:
+    """TTFT limits no engine meets (on), or the stack's own again. `--type float`: without it,
+    `config set --path` stores 0.001 as text and `up` fails on config validation instead."""
+    for k in TTFT_KEYS:
+        if on:
+            node.pulumi("config", "set", "--path", f"fimfleet:sla.{k}", IMPOSSIBLE_TTFT_MS, "--type", "float", check=True)
+        else:
+            node.pulumi("config", "rm", "--path", f"fimfleet:sla.{k}", check=True)
+
+
+def assert_sla_missed(proc: subprocess.CompletedProcess) -> None:
+    """`up` failed on the SLA report itself, not on config or a traceback."""
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, "an SLA no engine can meet did not fail pulumi up"
+    assert "SLA MISSED" in text and f"limit <= {IMPOSSIBLE_TTFT_MS}" in text and "Traceback" not in text, shown(proc)
+
+
 def keys(node) -> dict[str, str]:
     raw = node.pulumi("config", "--show-secrets", "--json", check=True).stdout
     return json.loads(json.loads(raw)["fimfleet:apiKeys"]["value"])
