@@ -340,9 +340,15 @@ class Load:
         self.threads = [threading.Thread(target=self._stream, args=(i,), daemon=True) for i in range(LOAD_STREAMS)]
 
     def _stream(self, i: int) -> None:
+        """One stream after another, each on a new connection. One CI run saw two streams end in
+        "Server disconnected without sending a response" with the engine untouched: what a client
+        gets when it reuses a kept-alive connection the server is closing (vLLM's idle close is
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; the ingress keeps its upstream idle time under it).
+        Not reproduced here in 3 runs with reuse, 2 of them beside CPU hogs. On a new connection the same
+        error can only be the server's, and each error says when it came."""
         body = {"model": SERVED, "prompt": f"<|fim_prefix|>def load_{i}(x):\n    <|fim_suffix|>\n<|fim_middle|>",
                 "max_tokens": LOAD_MAX_TOKENS, "temperature": 0.8, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=httpx.Timeout(10, read=300)) as c:
+        with httpx.Client(timeout=httpx.Timeout(10, read=300), headers={"Connection": "close"}) as c:
             while not self.stop.is_set():
                 try:
                     with c.stream("POST", self.url, json=body) as r:
@@ -353,9 +359,10 @@ class Load:
                                 break
                 except httpx.HTTPError as e:
                     if not self.stop.is_set():
-                        self.errors.append(repr(e))
+                        self.errors.append(f"{e!r} {time.monotonic() - self.t0:.1f} s into the load")
 
     def __enter__(self) -> Load:
+        self.t0 = time.monotonic()
         for t in self.threads:
             t.start()
         return self
