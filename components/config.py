@@ -342,7 +342,9 @@ def _parse_section(name, cls, raw, defaults, problems):
             problems.append(Problem(f"{name}.{k}", raw[k], f"unknown key; {hint}known keys: {', '.join(known)}"))
     values = {}
     for ck, f in known.items():
-        v = raw.get(ck, defaults.get(ck, f.default))
+        v = raw.get(ck)
+        if v is None:  # a null (`key:` with no value) means not set, as in a stack file without the key
+            v = defaults.get(ck, f.default)
         want = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool,
                                                          "list": list, "dict": dict}.get(str(f.type))
         if v is None:

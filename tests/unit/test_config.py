@@ -320,3 +320,13 @@ def test_only_text_that_reads_as_the_number_is_told_about_type():
     assert "--type" not in grammar.wrong_type(int, "1.5")
     assert "--type" not in grammar.wrong_type(str, 3)
     assert "`--type float`" in grammar.wrong_type(float, "0.001")
+
+
+def test_a_null_value_is_the_default_as_a_missing_key_is():
+    """`tls:` with nothing after it (YAML null) passed validation as None and failed later in
+    the ingress with a KeyError traceback; it means "not set" now, for every key."""
+    default = parse()
+    cfg = parse(ingress={"tls": None}, sla={"samples": None}, engine={"maxNumSeqs": None})
+    assert (cfg.ingress.tls, cfg.sla.samples, cfg.engine.max_num_seqs) == (
+        default.ingress.tls, default.sla.samples, default.engine.max_num_seqs)
+    assert cfg.ingress.tls == "self-signed"
