@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pulumi
 
-from components import config, engine, passphrase, runtime
+from components import config, engine, host, passphrase, runtime
 
 
 def engine_arguments(cfg: config.StackConfig) -> None:
@@ -22,9 +22,31 @@ def engine_arguments(cfg: config.StackConfig) -> None:
                                                  f"{err}. Fix engine.extraArgs / engine.env in the stack config")]) from None
 
 
+def local_vms(cfg: config.StackConfig) -> None:
+    """Each local-vm host's test VM is there: its facts (info.json) hold the SSH port and host key
+    that every step uses, so a missing one is a config error here, not a traceback mid-deploy."""
+    views = [cfg.for_node(n) for n in cfg.node_names()] + ([cfg.for_gateway()] if cfg.gateway_host else [])
+    problems = []
+    for view in views:
+        if view.host.kind != "local-vm":
+            continue
+        try:
+            host.testbed_connection(view.host.testbed_state)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            why = "no test VM there (no info.json)" if isinstance(err, FileNotFoundError) else \
+                f"its info.json is not a test VM's ({type(err).__name__})"
+            problems.append(config.Problem(
+                f"{view.node_key}.testbedState", view.host.testbed_state,
+                f"{why}; `./fimfleet demo` starts the local stack's VM and sets this key, "
+                "`.venv/bin/python -m scripts.local_fleet` the local-fleet's"))
+    if problems:
+        raise config.ConfigError(problems)
+
+
 def stack() -> config.StackConfig:
     """The running stack's validated config; raises config.ConfigError listing every problem."""
     cfg = config.from_pulumi()
     passphrase.check_passphrase(pulumi.get_stack(), dry_run=pulumi.runtime.is_dry_run())
+    local_vms(cfg)
     engine_arguments(cfg)
     return cfg

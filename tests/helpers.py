@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 from pathlib import Path
 
 API_KEY = "k" * 8 + "0123456789abcdef0123456789"
@@ -81,3 +82,22 @@ def set_path(raw: dict, dotted: str, value) -> None:
             raw[h] = {}
         raw = raw[h]
     raw[leaf] = value
+
+
+def host_key() -> str:
+    """An OpenSSH public key line, standing in for the VM's host key."""
+    from cryptography.hazmat.primitives import serialization
+
+    pub = serialization.load_ssh_private_key(ssh_key().encode(), None).public_key()
+    return pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+
+
+def fake_testbed(state: Path) -> Path:
+    """An info.json like toolchain/testbed/vm.py writes, for previewing a local stack without a VM."""
+    state.mkdir()
+    (state / "id_ed25519").write_text(ssh_key())
+    (state / "info.json").write_text(json.dumps({"ssh": {"host": "127.0.0.1", "port": 1, "user": "root",
+                                                         "key": str(state / "id_ed25519"),
+                                                         "host_key": host_key()},
+                                                 "ports": {"22": 1, "443": 2}}))
+    return state

@@ -3,6 +3,7 @@ and no Python traceback from the dynamic-provider host (components/errors.py).""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -63,3 +64,32 @@ def test_an_engine_flag_that_vllm_refuses_fails_preview_with_vllms_words(tmp_pat
     assert "fimfleet:engine = " in out and "--fimfleet-no-such-flag" in out, out[-3000:]
     assert "unrecognized arguments" in out and "Fix engine.extraArgs / engine.env" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_local_stack_whose_test_vm_is_gone_fails_preview_naming_the_key(tmp_path):
+    """A testbedState without its VM (deleted, or never started) was a FileNotFoundError traceback
+    from inside the program; it is one config error now, before any resource is registered."""
+    from tests.helpers import TINY_CONFIG
+
+    project = temp_project(tmp_path)
+    env = {**os.environ, "FIMFLEET_BACKEND_URL": f"file://{tmp_path}/state", "PULUMI_CONFIG_PASSPHRASE": "fimfleet-local"}
+    (tmp_path / "state").mkdir()
+    model = tmp_path / "tiny-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+
+    def pulumi(*args):
+        return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args, "-s", "local"],
+                              env=env, capture_output=True, text=True, timeout=600)
+
+    assert pulumi("stack", "init").returncode == 0
+    for args in (("config", "set", "--secret", "--path", "fimfleet:apiKeys.alice", API_KEY),
+                 ("config", "set", "--path", "fimfleet:model.localPath", str(model)),
+                 ("config", "set", "--path", "fimfleet:host.testbedState", str(tmp_path / "no-vm"))):
+        r = pulumi(*args)
+        assert r.returncode == 0, r.stderr
+    preview = pulumi("preview")
+    out = preview.stdout + preview.stderr
+    assert preview.returncode != 0
+    assert f'fimfleet:host.testbedState = "{tmp_path / "no-vm"}": no test VM there' in out, out[-3000:]
+    assert "./fimfleet demo" in out and "Traceback" not in out and "FileNotFoundError" not in out, out[-3000:]

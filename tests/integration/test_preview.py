@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import API_KEY, TINY_CONFIG, ssh_key, vm_state_keys
+from tests.helpers import API_KEY, TINY_CONFIG, fake_testbed, host_key, ssh_key, vm_state_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,23 +92,6 @@ def stack_copy(stack: str, tmp_path: Path, extra: dict | None = None, env: dict 
     return cfg
 
 
-def host_key() -> str:
-    """An OpenSSH public key line, standing in for the VM's host key."""
-    from cryptography.hazmat.primitives import serialization
-
-    pub = serialization.load_ssh_private_key(ssh_key().encode(), None).public_key()
-    return pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
-
-
-def fake_testbed(state: Path) -> Path:
-    """An info.json like toolchain/testbed/vm.py writes, for previewing a local stack without a VM."""
-    state.mkdir()
-    (state / "id_ed25519").write_text(ssh_key())
-    (state / "info.json").write_text(json.dumps({"ssh": {"host": "127.0.0.1", "port": 1, "user": "root",
-                                                         "key": str(state / "id_ed25519"),
-                                                         "host_key": host_key()},
-                                                 "ports": {"22": 1, "443": 2}}))
-    return state
 
 
 @pytest.mark.parametrize("stack", STACKS)
