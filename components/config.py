@@ -306,6 +306,8 @@ SECTIONS = {
     "monitoring": MonitoringConfig, "gateway": GatewayConfig, "rollout": RolloutConfig,
 }
 TOP_LEVEL = ("tier", *SECTIONS, "nodes", *SECRET_KEYS)
+
+
 def _tier_defaults(tier: Tier) -> dict[str, dict[str, Any]]:
     """The tier's values for each section, in config-key spelling."""
     return {
@@ -342,9 +344,7 @@ def _parse_section(name, cls, raw, defaults, problems):
             problems.append(Problem(f"{name}.{k}", raw[k], f"unknown key; {hint}known keys: {', '.join(known)}"))
     values = {}
     for ck, f in known.items():
-        v = raw.get(ck)
-        if v is None:  # a null (`key:` with no value) means not set, as in a stack file without the key
-            v = defaults.get(ck, f.default)
+        v = raw[ck] if raw.get(ck) is not None else defaults.get(ck, f.default)  # null: not set, as a missing key
         want = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool,
                                                          "list": list, "dict": dict}.get(str(f.type))
         if v is None:

@@ -204,6 +204,7 @@ def wrong_type(want: type, v) -> str:
             want(v.strip())
         except ValueError:
             return fix
-        fix += (f", not the text {v!r}: `pulumi config set --path` stores a decimal as text unless given "
-                f"`--type {want.__name__}`; or write it unquoted in the stack file")
+        fix += (f", not the text {v!r}: write it unquoted in the stack file, or set it with "
+                f"`pulumi config set --path KEY {v.strip()} --type {want.__name__}` (without --type, "
+                "--path keeps a decimal as text)")
     return fix

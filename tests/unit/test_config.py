@@ -319,7 +319,7 @@ def test_only_text_that_reads_as_the_number_is_told_about_type():
     assert "--type" not in grammar.wrong_type(int, "forty")
     assert "--type" not in grammar.wrong_type(int, "1.5")
     assert "--type" not in grammar.wrong_type(str, 3)
-    assert "`--type float`" in grammar.wrong_type(float, "0.001")
+    assert "KEY 0.001 --type float`" in grammar.wrong_type(float, "0.001")
 
 
 def test_a_null_value_is_the_default_as_a_missing_key_is():
