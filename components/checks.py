@@ -272,10 +272,14 @@ def check_api_keys(api_keys, problems) -> dict:
         problems.append(Problem("apiKeys", "<secret>", "set at least one named key: pulumi config set --secret "
                                 "--path 'apiKeys.alice' <key of 32+ chars>"))
         return {}
+    first: dict[str, str] = {}  # key -> the user who has it
     for name, val in api_keys.items():
         for msg in (grammar.key_name(str(name)), grammar.api_key(val), keys.user_key_name(str(name))):
             if msg:
                 problems.append(Problem(f"apiKeys.{name}", "<secret>", msg))
+        if isinstance(val, str) and first.setdefault(val, name) != name:
+            problems.append(Problem(f"apiKeys.{name}", "<secret>", f"the same key as apiKeys.{first[val]}: each user needs "
+                                    "a key of their own, or revoking one revokes neither (openssl rand -hex 24)"))
     return dict(api_keys)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from components import config, grammar, passphrase
-from tests.helpers import raw_config
+from tests.helpers import API_KEY, raw_config
 
 
 def parse(**sections):
@@ -112,6 +112,7 @@ BAD = [
     ({"monitoring": {"scrapeIntervalS": "15"}}, "monitoring.scrapeIntervalS", "whole number"),
     ({"monitoring": {"alertmanagerWebhookUrl": "hooks.example.com/x"}}, "monitoring.alertmanagerWebhookUrl", "http"),
     ({"monitoring": {"enabled": "yes"}}, "monitoring.enabled", "true or false"),
+    ({"apiKeys": {"alice": API_KEY, "bob": API_KEY}}, "apiKeys.bob", "a key of their own"),
     # `pulumi config set --path k 150.5` stores the text '150.5': the fix says how to store a number.
     ({"sla": {"ttftP50Ms": "150.5"}}, "sla.ttftP50Ms", "--type float"),
     ({"sla": {"samples": "40"}}, "sla.samples", "--type int"),
