@@ -402,8 +402,8 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
 
     model, engine, runtime, ingress = sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
     model_spec = checks.check_model(model, tier, problems)
-    nodes = {name: _parse_node(name, entry, "nodes" in raw, raw.get("host"), defaults["host"], tier, model_spec,
-                               sec, secrets, problems) for name, entry in node_entries.items()}
+    nodes = nodes_config.parsed(node_entries, lambda name, entry, found: _parse_node(
+        name, entry, "nodes" in raw, raw.get("host"), defaults["host"], tier, model_spec, sec, secrets, found), problems)
     hosts = {n: c.host for n, c in nodes.items()}
     nodes_config.check_distinct(hosts, problems)
     gw_host = nodes_config.gateway_host(sec["gateway"], ingress, hosts, raw.get("host"), problems,

@@ -23,13 +23,14 @@ RESERVED = ("gateway",)
 EXAMPLE = "nodes: {epyc1: {address: 203.0.113.10}, epyc2: {address: 203.0.113.11}}"
 
 
-def entries(raw_nodes, raw_host, problems: list[Problem]) -> dict[str, dict]:
-    """Node name -> its own host.* overrides, in rollout order (the first is the canary)."""
+def entries(raw_nodes, raw_host, problems: list[Problem]) -> dict[str, dict] | None:
+    """Node name -> its own host.* overrides, in rollout order (the first is the canary); None
+    when fimfleet:nodes was refused and names no usable node."""
     if raw_nodes is None:
         return {DEFAULT_NODE: {}}
     if not isinstance(raw_nodes, dict) or not raw_nodes:
         problems.append(Problem("nodes", raw_nodes, f"must map node names to their hosts, e.g. {EXAMPLE}"))
-        return {DEFAULT_NODE: {}}
+        return None
     host = raw_host if isinstance(raw_host, dict) else {}
     for k in OWN_KEYS:
         if host.get(k):
@@ -56,7 +57,16 @@ def entries(raw_nodes, raw_host, problems: list[Problem]) -> dict[str, dict]:
                 problems.append(Problem(f"nodes.{name}.{k}", entry[k], f"unknown key; {hint}a node sets only: "
                                         f"{', '.join(NODE_KEYS)} (the rest is stack-wide: host.*, engine.*, ...)"))
         out[name] = {k: v for k, v in entry.items() if k in NODE_KEYS}
-    return out or {DEFAULT_NODE: {}}
+    return out or None
+
+
+def parsed(node_entries: dict[str, dict] | None, parse, problems: list[Problem]) -> dict:
+    """Each node through parse(name, entry, problems). When fimfleet:nodes was refused, one
+    stand-in node still lets the other sections be checked; its own problems are dropped, as
+    they would name a node that is not in the stack."""
+    if node_entries is None:
+        return {DEFAULT_NODE: parse(DEFAULT_NODE, {}, [])}
+    return {name: parse(name, entry, problems) for name, entry in node_entries.items()}
 
 
 def merged_host(raw_host, entry: dict, named: bool) -> dict:

@@ -65,6 +65,16 @@ def test_bad_nodes_name_key_value_and_fix(nodes, key, word):
     assert key in found and word in found[key].fix, found
 
 
+@pytest.mark.parametrize("nodes", [{}, ["epyc1"], {"Bad_Name": {"address": "203.0.113.10"}},
+                                   {"gateway": {"address": "203.0.113.10"}}])
+def test_a_refused_nodes_map_is_the_one_error_without_a_stand_in_nodes(nodes):
+    """The stack is still checked with a stand-in node, whose own problems (it has no address)
+    were reported too, under a key the stack does not have: nodes.node.address."""
+    raw, secret = nodes_raw(nodes)
+    found = problems(raw, secret)
+    assert len(found) == 1 and next(iter(found)).startswith("nodes"), found
+
+
 def test_a_machines_own_keys_cannot_sit_stack_wide_beside_nodes():
     raw, secret = nodes_raw({"a": {"address": "203.0.113.11"}}, host={"address": "203.0.113.10"})
     found = problems(raw, secret)
