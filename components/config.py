@@ -324,7 +324,7 @@ def _tier_defaults(tier: Tier) -> dict[str, dict[str, Any]]:
     }
 
 
-def _config_key(f) -> str:
+def config_key(f) -> str:
     # memoryGiB / memoryBandwidthGBs / gpuMemoryGiB / kvCacheGiB keep their unit's capitals.
     return {"memory_gib": "memoryGiB", "gpu_memory_gib": "gpuMemoryGiB", "kv_cache_gib": "kvCacheGiB",
             "memory_bandwidth_gbs": "memoryBandwidthGBs"}.get(f.name, camel(f.name))
@@ -334,9 +334,9 @@ def _parse_section(name, cls, raw, defaults, problems):
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        problems.append(Problem(name, raw, f"must be a map of settings: {', '.join(_config_key(f) for f in fields(cls))}"))
+        problems.append(Problem(name, raw, f"must be a map of settings: {', '.join(config_key(f) for f in fields(cls))}"))
         raw = {}
-    known = {_config_key(f): f for f in fields(cls)}
+    known = {config_key(f): f for f in fields(cls)}
     for k in raw:
         if k not in known:
             close = [c for c in known if c.lower() == str(k).lower()]
@@ -391,7 +391,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     sec = {name: _parse_section(name, cls, raw.get(name), defaults.get(name, {}), problems)
            for name, cls in SECTIONS.items() if name != "host"}
     if raw.get("host") is not None and not isinstance(raw["host"], dict):
-        problems.append(Problem("host", raw["host"], "must be a map of settings: " + ", ".join(_config_key(f) for f in fields(HostConfig))))
+        problems.append(Problem("host", raw["host"], "must be a map of settings: " + ", ".join(config_key(f) for f in fields(HostConfig))))
     node_entries = nodes_config.entries(raw.get("nodes"), raw.get("host"), problems)
 
     for sk in SECRET_KEYS:

@@ -1,7 +1,8 @@
 """Every leaf of every shipped stack file replaced by odd values (nulls, wrong types, empties,
-huge numbers, shell text): what __main__.py runs before any resource (validate.stack's config
-and test-VM checks, then fleet.args_for) either refuses it with one ConfigError, or the fleet
-builds under mocks. Anything else is a traceback a user would see.
+huge numbers, shell text), and every key of every section set to them on the headline stack
+and the fleet: what __main__.py runs before any resource (validate.stack's config and test-VM
+checks, then fleet.args_for) either refuses it with one ConfigError, or the fleet builds under
+mocks. Anything else is a traceback a user would see.
 
 Found by this sweep: `ingress.tls` set to null passed validation as None and failed in the
 ingress with a KeyError; a testbedState whose VM was gone failed with a FileNotFoundError."""
@@ -16,6 +17,8 @@ import pulumi
 import pytest
 import yaml
 
+from dataclasses import fields
+
 from components import config, validate
 from components.fleet import Fleet, args_for
 from tests.helpers import API_KEY, TINY_CONFIG, fake_testbed, ssh_key
@@ -23,6 +26,8 @@ from tests.helpers import API_KEY, TINY_CONFIG, fake_testbed, ssh_key
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 ODD = [None, True, -1, 0, 1.5, 10**30, "", "x" * 300, [], {"a": {"b": 1}}, "$(id)\n", "-1", "1e3", "--flag"]
 SECRET = frozenset({"fimfleet:sshPrivateKey", "fimfleet:apiKeys", "hcloud:token"})
+EVERY_KEY_ON = ("Pulumi.cpu-epyc-prod.yaml", "Pulumi.local-fleet.yaml")
+"""Stacks on which every key of every section (most are not in the files) is set to each odd value."""
 CLOUD = ("aws", "hcloud")
 """Cloud stacks: checked up to args_for; their fleets need the instance mocks of test_cloud.py."""
 
@@ -68,6 +73,28 @@ def base_values(stack: Path, root: Path) -> dict[str, str]:
     return values
 
 
+def variants(stack: Path, base: dict[str, str]):
+    """(where, values): each leaf of the file, and on EVERY_KEY_ON each section key, set to each odd value."""
+    for key, value in base.items():
+        if key in SECRET:
+            continue
+        parsed = json.loads(value) if value[:1] in "[{" else value
+        for path in leaves(parsed):
+            for odd in ODD:
+                changed = replaced(parsed, path, odd)
+                yield (f"{stack.name}: {key}{''.join(f'.{p}' for p in path)} = {odd!r:.40}",
+                       {**base, key: changed if isinstance(changed, str) else json.dumps(changed)})
+    if stack.name not in EVERY_KEY_ON:
+        return
+    for section, cls in config.SECTIONS.items():
+        current = json.loads(base.get(f"fimfleet:{section}", "{}"))
+        for f in fields(cls):
+            for odd in ODD:
+                key = config.config_key(f)
+                yield (f"{stack.name}: fimfleet:{section}.{key} = {odd!r:.40} (set)",
+                       {**base, f"fimfleet:{section}": json.dumps({**current, key: odd})})
+
+
 def accepted(values: dict[str, str]):
     """(config, fleet args) when the program's checks accept `values`, None when they refuse them."""
     try:
@@ -85,20 +112,12 @@ def sweep(tmp_path_factory):
     for stack in sorted(STACKS.glob("Pulumi.*.yaml")):
         base = base_values(stack, tmp_path_factory.mktemp("vms") / "root")
         assert accepted(base), f"{stack.name} itself does not validate"
-        for key, value in base.items():
-            if key in SECRET:
-                continue
-            parsed = json.loads(value) if value[:1] in "[{" else value
-            for path in leaves(parsed):
-                for odd in ODD:
-                    changed = replaced(parsed, path, odd)
-                    values = {**base, key: changed if isinstance(changed, str) else json.dumps(changed)}
-                    where = f"{stack.name}: {key}{''.join(f'.{p}' for p in path)} = {odd!r:.40}"
-                    try:
-                        if (ok := accepted(values)) is not None:
-                            out[where] = ok
-                    except Exception as err:  # noqa: BLE001 - the finding this test exists for
-                        out[where] = err
+        for where, values in variants(stack, base):
+            try:
+                if (ok := accepted(values)) is not None:
+                    out[where] = ok
+            except Exception as err:  # noqa: BLE001 - the finding this test exists for
+                out[where] = err
     return out
 
 
