@@ -279,7 +279,7 @@ def check_api_keys(api_keys, problems) -> dict:
                 problems.append(Problem(f"apiKeys.{name}", "<secret>", msg))
         if isinstance(val, str) and first.setdefault(val, name) != name:
             problems.append(Problem(f"apiKeys.{name}", "<secret>", f"the same key as apiKeys.{first[val]}: each user needs "
-                                    "a key of their own, or revoking one revokes neither (openssl rand -hex 24)"))
+                                    "a key of their own, or revoking either leaves the key working (openssl rand -hex 24)"))
     return dict(api_keys)
 
 
