@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pulumi
 import pytest
 import yaml
 
-from dataclasses import fields
-
 from components import config, validate
 from components.fleet import Fleet, args_for
-from tests.helpers import API_KEY, TINY_CONFIG, fake_testbed, ssh_key
+from tests.helpers import API_KEY, TINY_CONFIG, fake_testbed, set_path, ssh_key, vm_state_keys
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 ODD = [None, True, -1, 0, 1.5, 10**30, "", "x" * 300, [], {"a": {"b": 1}}, "$(id)\n", "-1", "1e3", "--flag"]
@@ -60,12 +59,9 @@ def base_values(stack: Path, root: Path) -> dict[str, str]:
         root.mkdir()
         (root / "model").mkdir()
         (root / "model" / "config.json").write_text(json.dumps(TINY_CONFIG))
-        doc["fimfleet:model"] = {**doc["fimfleet:model"], "localPath": str(root / "model")}
-        if "fimfleet:nodes" in doc:
-            for name, node in doc["fimfleet:nodes"].items():
-                node["testbedState"] = str(fake_testbed(root / name))
-        else:
-            doc["fimfleet:host"] = {**doc["fimfleet:host"], "testbedState": str(fake_testbed(root / "vm"))}
+        set_path(doc, "fimfleet:model.localPath", str(root / "model"))
+        for path, state in vm_state_keys(doc, str(root / "vm")).items():
+            set_path(doc, f"fimfleet:{path}", str(fake_testbed(Path(state))))
     values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in doc.items()}
     values.update({"fimfleet:sshPrivateKey": ssh_key(), "fimfleet:apiKeys": json.dumps({"alice": API_KEY})})
     if "hcloud" in stack.name:
