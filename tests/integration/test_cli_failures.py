@@ -10,20 +10,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import API_KEY, ssh_key, temp_project
+from tests.helpers import API_KEY, TINY_CONFIG, ssh_key, temp_project
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
 
-def test_unreachable_host_fails_up_with_one_readable_error(tmp_path):
+def cli(tmp_path, stack: str, passphrase: str = "test-own-passphrase", **env):
+    """`./fimfleet pulumi ... -s stack` on a throwaway copy of the project with its own file backend."""
     project = temp_project(tmp_path)
-    env = {**os.environ, "FIMFLEET_BACKEND_URL": f"file://{tmp_path}/state", "PULUMI_CONFIG_PASSPHRASE": "test-own-passphrase"}
     (tmp_path / "state").mkdir()
+    env = {**os.environ, "FIMFLEET_BACKEND_URL": f"file://{tmp_path}/state", "PULUMI_CONFIG_PASSPHRASE": passphrase, **env}
 
     def pulumi(*args, **kw):
-        return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args, "-s", "cpu-epyc-prod"],
-                              env=env, capture_output=True, text=True, timeout=600, **kw)
+        cut = args.index("--") if "--" in args else len(args)  # a value that starts with "--" comes last
+        return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args[:cut], "-s", stack,
+                               *args[cut:]], env=env, capture_output=True, text=True, timeout=600, **kw)
+    return pulumi
+
+
+def test_unreachable_host_fails_up_with_one_readable_error(tmp_path):
+    pulumi = cli(tmp_path, "cpu-epyc-prod")
 
     assert pulumi("stack", "init").returncode == 0
     for args, stdin in ((("config", "set", "--secret", "fimfleet:sshPrivateKey"), ssh_key()),
@@ -41,15 +48,7 @@ def test_unreachable_host_fails_up_with_one_readable_error(tmp_path):
 
 def test_an_engine_flag_that_vllm_refuses_fails_preview_with_vllms_words(tmp_path, vllm_python):
     """The rendered arguments go through the pinned vLLM's own parser (components/validate.py)."""
-    project = temp_project(tmp_path)
-    env = {**os.environ, "FIMFLEET_BACKEND_URL": f"file://{tmp_path}/state", "PULUMI_CONFIG_PASSPHRASE": "test-own-passphrase",
-           "FIMFLEET_VLLM_PYTHON": vllm_python}
-    (tmp_path / "state").mkdir()
-
-    def pulumi(*args, **kw):
-        cut = args.index("--") if "--" in args else len(args)  # a value that starts with "--" comes last
-        return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args[:cut], "-s", "cpu-epyc-prod",
-                               *args[cut:]], env=env, capture_output=True, text=True, timeout=600, **kw)
+    pulumi = cli(tmp_path, "cpu-epyc-prod", FIMFLEET_VLLM_PYTHON=vllm_python)
 
     assert pulumi("stack", "init").returncode == 0
     for args, stdin in ((("config", "set", "--secret", "fimfleet:sshPrivateKey"), ssh_key()),
@@ -69,18 +68,10 @@ def test_an_engine_flag_that_vllm_refuses_fails_preview_with_vllms_words(tmp_pat
 def test_a_local_stack_whose_test_vm_is_gone_fails_preview_naming_the_key(tmp_path):
     """A testbedState without its VM (deleted, or never started) was a FileNotFoundError traceback
     from inside the program; it is one config error now, before any resource is registered."""
-    from tests.helpers import TINY_CONFIG
-
-    project = temp_project(tmp_path)
-    env = {**os.environ, "FIMFLEET_BACKEND_URL": f"file://{tmp_path}/state", "PULUMI_CONFIG_PASSPHRASE": "fimfleet-local"}
-    (tmp_path / "state").mkdir()
+    pulumi = cli(tmp_path, "local", passphrase="fimfleet-local")  # the local stacks' published passphrase
     model = tmp_path / "tiny-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_CONFIG))
-
-    def pulumi(*args):
-        return subprocess.run([str(ROOT / "fimfleet"), "pulumi", "--cwd", str(project), *args, "-s", "local"],
-                              env=env, capture_output=True, text=True, timeout=600)
 
     assert pulumi("stack", "init").returncode == 0
     for args in (("config", "set", "--secret", "--path", "fimfleet:apiKeys.alice", API_KEY),
