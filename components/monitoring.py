@@ -381,7 +381,8 @@ class Monitoring(pulumi.ComponentResource):
             specs[0]["files"] = pulumi.Output.all(*ca_pems.values()).apply(
                 lambda pems, files=files: [{**f, "content": dict(zip(paths, pems)).get(f["path"], f["content"])}
                                            for f in files])
-        self.steps = exporters + _remote_steps(self, name, specs, conn, exporters)
+        # Prometheus does not wait for node_exporter (it scrapes what answers): the two go at once.
+        self.steps = exporters + _remote_steps(self, name, specs, conn, [])
         textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
         for node, report in (sla_reports or {}).items():
             path = f"{textfile_dir}/fimfleet_sla_{node}.prom"
