@@ -14,7 +14,8 @@ vLLM's own token counters from the engine's loopback /metrics, and
 
 An engine that is starting is never judged: after the monitor's own restart, and after any
 other start of its unit (a deploy's start.sh) until a probe has passed, failed probes count
-as the start grace (the tier's start timeout), not as a hang.
+as the start grace (the tier's start timeout), not as a hang. Such a round is recorded as
+`starting`, which Prometheus's down and probe alerts wait on (files/prometheus/).
 
 `stall_s` must exceed the engine's longest single step (a full max-num-batched-tokens
 prefill chunk), or a healthy engine inside one long step looks hung.

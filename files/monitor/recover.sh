@@ -2,6 +2,7 @@
 # fimfleet recovery manager, run by a systemd timer (components/monitor.py explains the rule).
 # Each round: one deep probe, then vLLM's own step metrics from the engine's /metrics.
 #   probe ok                           -> healthy
+#   probe failed, engine (re)started   -> starting: within GRACE_S of its start, never judged
 #   probe failed, metrics moved        -> busy: the engine is finishing steps, never restarted
 #   probe failed, metrics still        -> a failure; after FAILURE_THRESHOLD failures in a row
 #                                         AND STALL_S seconds without a step, the engine is hung
@@ -69,6 +70,8 @@ if [ "$entered" -gt "$restarted" ] && [ "$entered" -ge "$(cat "$state/ok-at" 2>/
   restarted=$entered
 fi
 if [ $(( now - restarted )) -lt "$GRACE_S" ] && systemctl is-active -q "$ENGINE_UNIT"; then
+  # recorded as starting, not failing: Prometheus's down and probe alerts wait while it is
+  echo "$now starting $(head -c 300 "$state/last-error")" > "$state/last"
   log "probe failed during the ${GRACE_S}s start grace: $(head -c 200 "$state/last-error")"
   exit 0
 fi

@@ -3,7 +3,8 @@
 # files/monitor/recover.sh keeps, per engine unit, in /run/fimfleet/monitor-<unit without .service>:
 #   failures      consecutive failed probes (reset by a good probe and after a restart)
 #   last          "<epoch> ok" | "<epoch> fail <error>" | "<epoch> busy <error>" (failed, but the
-#                 engine produced tokens: loaded, not hung) | "<epoch> config-error <error>"
+#                 engine produced tokens: loaded, not hung) | "<epoch> starting <error>" (failed
+#                 inside the engine's start grace) | "<epoch> config-error <error>"
 #   stage         0 = next recovery is a restart, 1 = next one escalates to SIGKILL
 #   restarted-at  epoch of its last restart, removed once a probe passes again
 # This script only reads them. Because restarted-at disappears, it counts each new value
@@ -31,6 +32,7 @@ number() { # FILE DEFAULT: the file's first word if it is a whole number, else D
 
 metric fimfleet_monitor_probe_ok gauge "1 if the last deep FIM probe got a completion, 0 if it failed or was rejected."
 metric fimfleet_monitor_probe_busy gauge "1 if the last probe failed while the engine produced tokens (loaded, not hung)."
+metric fimfleet_monitor_engine_starting gauge "1 if the last probe failed inside the engine's start grace: starting, not down."
 metric fimfleet_monitor_probe_rejected gauge "1 if the ingress rejected the last probe (HTTP 401/403): a configuration error no restart fixes."
 metric fimfleet_monitor_last_probe_timestamp_seconds gauge "When the last deep probe ran (0 = never)."
 metric fimfleet_monitor_consecutive_failures gauge "Failed deep probes in a row, as counted by the recovery manager."
@@ -49,6 +51,7 @@ for pair in $MONITORS; do
   if [ "$status" != none ]; then
     sample fimfleet_monitor_probe_ok "$labels" "$([ "$status" = ok ] && echo 1 || echo 0)"
     sample fimfleet_monitor_probe_busy "$labels" "$([ "$status" = busy ] && echo 1 || echo 0)"
+    sample fimfleet_monitor_engine_starting "$labels" "$([ "$status" = starting ] && echo 1 || echo 0)"
     sample fimfleet_monitor_probe_rejected "$labels" "$([ "$status" = config-error ] && echo 1 || echo 0)"
   fi
   sample fimfleet_monitor_last_probe_timestamp_seconds "$labels" "$ts"

@@ -429,6 +429,8 @@ def test_an_engine_a_deploy_restarts_is_left_to_start(node):
     history = "\n".join(map(str, rounds))
     assert node.restarts(t0) == [], history
     assert any("start grace" in r.out for r in rounds), f"no round saw the engine starting:\n{history}"
+    # what Prometheus reads (monitor-textfile.sh): starting, not failing, so no alert pages for it
+    assert any(r.verdict == "starting" for r in rounds) and "fail" not in [r.verdict for r in rounds], history
 
 
 def test_the_exercised_settings_bracket_every_stacks(tiny_model):

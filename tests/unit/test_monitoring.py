@@ -257,9 +257,14 @@ def test_helper_exports_the_monitors_state(tmp_path):
     h.write(last="1700000020 busy probe failed: curl exit 28")
     got = h()
     assert got[f"fimfleet_monitor_probe_ok{L}"] == 0 and got[f"fimfleet_monitor_probe_busy{L}"] == 1
+    assert got[f"fimfleet_monitor_engine_starting{L}"] == 0
+    h.write(last="1700000025 starting probe failed: curl exit 7")
+    got = h()
+    assert got[f"fimfleet_monitor_probe_ok{L}"] == 0 and got[f"fimfleet_monitor_engine_starting{L}"] == 1
     h.write(last="1700000030 config-error probe rejected with HTTP 401")
     got = h()
     assert got[f"fimfleet_monitor_probe_ok{L}"] == 0 and got[f"fimfleet_monitor_probe_rejected{L}"] == 1
+    assert got[f"fimfleet_monitor_engine_starting{L}"] == 0
 
 
 def test_helper_counts_each_restart_once_even_after_the_monitor_forgets_it(tmp_path):

@@ -112,6 +112,8 @@ ITL = {'vllm:inter_token_latency_seconds_count{job="vllm",node="a"}': "0+100x40"
 STEAL = {f'node_cpu_seconds_total{{job="node",host="a",cpu="{c}",mode="steal"}}': "0+6x40" for c in (0, 1)}  # 10 %
 PROBE = 'fimfleet_monitor_probe_ok{job="node",host="a",node="a",unit="vllm-a.service"}'
 BUSY = 'fimfleet_monitor_probe_busy{job="node",host="a",node="a",unit="vllm-a.service"}'
+STARTING = 'fimfleet_monitor_engine_starting{job="node",host="a",node="a",unit="vllm-a.service"}'
+VLLM_UP = 'up{job="vllm",role="vllm",node="a",instance="127.0.0.1:8443"}'
 PROBE_TS = 'fimfleet_monitor_last_probe_timestamp_seconds{job="node",host="a",node="a",unit="vllm-a.service"}'
 RESTARTS = 'fimfleet_monitor_restarts_total{job="node",host="a",node="a",unit="vllm-a.service"}'
 KV = 'vllm:kv_cache_usage_perc{job="vllm",node="a",engine="0"}'
@@ -130,6 +132,18 @@ SCENARIOS = {
     "probe-failing": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0x20", BUSY: "0x23"}, [("4m", False), ("6m", True)]),
     "probe-fails-behind-real-work": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0x20", BUSY: "0x3 1x20"},
                                      [("6m", False), ("12m", False)]),
+    # a roll or a recovery restarts the engine: inside the monitor's start grace nothing is down yet,
+    # and once the grace is over (the monitor says fail) both alerts come as they would
+    "probe-failing-while-the-engine-starts": ("FimfleetDeepProbeFailing", {},
+                                              {PROBE: "1x3 0x20", BUSY: "0x23", STARTING: "0x3 1x20"},
+                                              [("6m", False), ("15m", False)]),
+    "probe-failing-after-the-start-grace": ("FimfleetDeepProbeFailing", {},
+                                            {PROBE: "1x3 0x20", BUSY: "0x23", STARTING: "0x3 1x5 0x15"},
+                                            [("8m", False), ("13m", True)]),
+    "node-down-while-the-engine-starts": ("FimfleetNodeDown", {}, {VLLM_UP: "1 1 0x20", STARTING: "0 0 1x20"},
+                                          [("5m", False), ("15m", False)]),
+    "node-down-after-the-start-grace": ("FimfleetNodeDown", {}, {VLLM_UP: "1 1 0x20", STARTING: "0 0 1x5 0x15"},
+                                        [("7m", False), ("10m", True)]),
     "probe-one-failure-then-ok": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0 1x20"}, [("4m", False), ("10m", False)]),
     "probe-stale": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0+60x5 300x20"}, [("8m", False), ("12m", True)]),
     "probe-fresh": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0+60x30"}, [("12m", False), ("25m", False)]),
