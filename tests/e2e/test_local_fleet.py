@@ -13,7 +13,8 @@ engine change does, without the engine's restart (6-7 minutes per node under emu
 benchmarks/roll_capacity.py; the local-docker e2e rolls a real engine restart on one VM.
 
 Not in `./fimfleet test`'s default run (pytest.ini deselects the `fleet` marker): two more VMs
-are about 12 minutes that `.ci/run`'s 45 cannot hold beside the rest. Run it with
+are 10-12 minutes, and on a fresh machine node2's serving snapshot one more engine start, which
+`.ci/run` cannot hold within a fresh machine's 90 (README, "A fleet on this machine"). Run it with
 `./fimfleet test -m fleet tests/e2e/test_local_fleet.py`.
 """
 
