@@ -57,8 +57,6 @@ if [ -n "$sample" ] && [ "$sample" != "$prev" ]; then
   log "probe failed but the engine is working (vLLM metrics '${prev:-none}' -> '$sample'): busy, not restarting"
   exit 0
 fi
-echo "$now fail $(head -c 300 "$state/last-error")" > "$state/last"
-
 # An engine that is starting is not failing yet: after our own restart, or after any other
 # start of its unit that no probe has passed since (a deploy's start.sh, an operator's restart).
 # Both times have whole seconds: a start in the second of the last passed probe came after it
@@ -75,6 +73,7 @@ if [ $(( now - restarted )) -lt "$GRACE_S" ] && systemctl is-active -q "$ENGINE_
   log "probe failed during the ${GRACE_S}s start grace: $(head -c 200 "$state/last-error")"
   exit 0
 fi
+echo "$now fail $(head -c 300 "$state/last-error")" > "$state/last"
 
 failures=$((failures + 1)); echo "$failures" > "$state/failures"
 stalled=$(( now - $(cat "$state/progress-at") ))
