@@ -117,6 +117,8 @@ def exporter_problems(e: ExporterArgs) -> list[Problem]:
             for node, unit in e.monitors if not (NAME_RE.match(str(node)) and UNIT_RE.match(str(unit)))]
     out += [Problem("monitoring.exporter.certificates", [node, path], "must be a node name and an absolute path")
             for node, path in e.certificates if not (NAME_RE.match(str(node)) and PATH_RE.match(str(path)))]
+    out += [Problem("monitoring.exporter.startStamps", [unit, path], "must be a .service unit and an absolute path")
+            for unit, path in e.start_stamps if not (UNIT_RE.match(str(unit)) and PATH_RE.match(str(path)))]
     return out + [Problem("monitoring.exporter.watchedUnits", u, "must be a systemd .service unit")
                   for u in e.watched_units if not UNIT_RE.match(str(u))]
 
@@ -299,7 +301,8 @@ def exporter_steps(e: ExporterArgs) -> list[dict]:
     kw = dict(textfile_dir=e.textfile_dir, script=HELPER, env_file=HELPER_ENV, state_dir=e.state_dir,
               timer=f"{HELPER_UNIT}.timer", service=f"{HELPER_UNIT}.service", listen=e.listen,
               monitors=[f"{node}={unit}" for node, unit in e.monitors],
-              certificates=[f"{node}={path}" for node, path in e.certificates], default_staged=d["staged"],
+              certificates=[f"{node}={path}" for node, path in e.certificates],
+              start_stamps=[f"{unit}={path}" for unit, path in e.start_stamps], default_staged=d["staged"],
               port=_split_hostport(e.listen)[1], **pkg)
     files = staged + [
         {"path": HELPER, "mode": "0755", "content": (templates.FILES / "prometheus/monitor-textfile.sh").read_text()},
@@ -363,7 +366,8 @@ class Monitoring(pulumi.ComponentResource):
 
     `ca_pems` maps a node name to its ingress CA as an Output (e.g. NginxIngress.ca_pem);
     `sla_reports` maps a node name to its FimSlaCheck `report` output, written as a textfile
-    on this host. Outputs: tunnel_command, url (through the tunnel), dashboard_json.
+    on this host (or later, export_sla_report). `setup_steps`: node_exporter and Prometheus,
+    without the reports. Outputs: tunnel_command, url (through the tunnel), dashboard_json.
     """
 
     def __init__(self, name: str, args: MonitoringArgs, connection: pulumi.Input[dict],
@@ -382,18 +386,28 @@ class Monitoring(pulumi.ComponentResource):
                 lambda pems, files=files: [{**f, "content": dict(zip(paths, pems)).get(f["path"], f["content"])}
                                            for f in files])
         # Prometheus does not wait for node_exporter (it scrapes what answers): the two go at once.
-        self.steps = exporters + _remote_steps(self, name, specs, conn, [])
-        textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
+        self.setup_steps = exporters + _remote_steps(self, name, specs, conn, [])
+        self.steps = list(self.setup_steps)
+        self._args, self._name, self._conn, self._exporters = args, name, conn, exporters
+        self._textfile_dir = exporter.textfile_dir if exporter else args.textfile_dir
         for node, report in (sla_reports or {}).items():
-            path = f"{textfile_dir}/fimfleet_sla_{node}.prom"
-            textfile = pulumi.Output.from_input(report).apply(
-                lambda r, node=node, path=path: [{"path": path, "mode": "0644", "content": sla_textfile(node, r)}])
-            self.steps.append(RemoteStep(
-                f"{name}-sla-{node}", label=f"SLA report textfile ({node})", connection=conn, files=textfile,
-                apply=templates.render("prometheus/sla-gate-apply.sh.j2", node=node, path=path),
-                destroy=templates.render("prometheus/sla-gate-destroy.sh.j2", path=path),
-                opts=pulumi.ResourceOptions(parent=self, depends_on=exporters)))
+            self.export_sla_report(node, report)
         self.tunnel_command = pulumi.Output.unsecret(conn.apply(lambda c: tunnel_command(c, args.listen)))
         self.url = f"http://localhost:{_split_hostport(args.listen)[1]}"
         self.dashboard_json = dashboard_json(args.stack)
         self.register_outputs({"tunnelCommand": self.tunnel_command, "url": self.url})
+
+    def export_sla_report(self, node: str, report: pulumi.Input[dict]) -> RemoteStep:
+        """Node `node`'s SLA gate report (its FimSlaCheck `report`) as a textfile on this host: a
+        step of its own, so the gate can wait for Prometheus while this waits for the gate."""
+        check(self._args, sla_nodes=[node])
+        path = f"{self._textfile_dir}/fimfleet_sla_{node}.prom"
+        textfile = pulumi.Output.from_input(report).apply(
+            lambda r: [{"path": path, "mode": "0644", "content": sla_textfile(node, r)}])
+        step = RemoteStep(
+            f"{self._name}-sla-{node}", label=f"SLA report textfile ({node})", connection=self._conn, files=textfile,
+            apply=templates.render("prometheus/sla-gate-apply.sh.j2", node=node, path=path),
+            destroy=templates.render("prometheus/sla-gate-destroy.sh.j2", path=path),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=self._exporters))
+        self.steps.append(step)
+        return step

@@ -55,6 +55,9 @@ class ExporterArgs:
     """(node, engine unit) pairs whose deep-probe state is exported (files/monitor/recover.sh)."""
     certificates: tuple[tuple[str, str], ...] = ()
     """(node, certificate file) pairs whose notAfter is exported, for the expiry alert."""
+    start_stamps: tuple[tuple[str, str], ...] = ()
+    """(engine unit, start.sh's stamp file) pairs: an engine the monitor has not judged yet and
+    without the stamp is in its first start, `starting`, not down (components/runtime.py)."""
     watched_units: tuple[str, ...] = ("nginx.service",)
     """systemd units whose restarts node_exporter counts, besides the engine units."""
     interval_s: int = 15

@@ -88,7 +88,8 @@ def monitoring_args(cfg: StackConfig, name: str, unit: str) -> tuple[MonitoringA
     if not cfg.monitoring.enabled:
         return None
     return monitoring.args_for(cfg, name), ExporterArgs(
-        name, monitors=((name, unit),), certificates=((name, tls_paths(cfg.ingress, name)[0]),), interval_s=cfg.monitor.interval_s)
+        name, monitors=((name, unit),), certificates=((name, tls_paths(cfg.ingress, name)[0]),), interval_s=cfg.monitor.interval_s,
+        start_stamps=((unit, runtime.started_stamp(name)),))
 
 
 def args_for(cfg: StackConfig, name: str, host: str) -> NodeArgs:
@@ -139,9 +140,10 @@ class NodeService(pulumi.ComponentResource):
             return pulumi.ResourceOptions(parent=self, depends_on=list(deps))
 
         conn = base.connection
-        # What does not depend on each other overlaps: nginx with the engine start. The engine waits
-        # for the tuned kernel; the node's nginx site only for the host's nginx. The monitor needs both the unit and
-        # the ingress; the SLA gate, everything.
+        # What does not depend on each other overlaps: nginx and Prometheus with the engine start.
+        # The engine waits for the tuned kernel; the node's nginx site only for the host's nginx;
+        # Prometheus and node_exporter only for what precedes the engine's start. The monitor
+        # needs both the unit and the ingress; the SLA gate, everything.
         self.runtime = VllmRuntime(f"{name}-runtime", args.runtime, connection=conn,
                                    opts=child(base.host, base.kernel, *(gate or [])))
         # The probe and the SLA gate use the node's own key, never a user's (components/keys.py).
@@ -154,6 +156,15 @@ class NodeService(pulumi.ComponentResource):
                                probe_key=probe_key, ca_pem=self.ingress.ca_pem, service_user=self.runtime.service_user,
                                container=self.runtime.container, opts=child(self.runtime, self.ingress))
         self.endpoint = self.ingress.endpoint
+        # Set up while the engine starts (not while the host's bandwidth is measured): an engine
+        # in its first start is `starting` for the alerts (monitor-textfile.sh). The SLA gate waits
+        # for it, so its installs never load the host while the SLA is measured.
+        self.monitoring = None
+        if args.monitoring:
+            self.monitoring = monitoring.Monitoring(
+                f"{name}-monitoring", args.monitoring, conn, exporter=args.exporter,
+                ca_pems={name: self.ingress.ca_pem} if args.ingress.settings.tls != "acme" else None,
+                opts=child(base.host, *self.runtime.before_start))
         # The host identity is part of it: a rebuilt or replaced host is measured again, so the
         # report in the outputs always belongs to the host that serves now.
         deployed = templates.digest(base.kernel.digest, base.nginx_digest, self.runtime.digest, self.ingress.digest)
@@ -167,15 +178,9 @@ class NodeService(pulumi.ComponentResource):
                 concurrency=s.concurrency, max_tokens=s.max_tokens, trigger=trigger,
                 ceiling=self.runtime.bandwidth_bytes_per_s.apply(
                     lambda bw: decode_ceiling_input(s.weight_bytes_per_token, bw)),
-                opts=child(self.monitor))
-        # Prometheus on the node, after the gate so it never loads the host while the SLA is measured.
-        self.monitoring = None
-        if args.monitoring:
-            self.monitoring = monitoring.Monitoring(
-                f"{name}-monitoring", args.monitoring, conn, exporter=args.exporter,
-                sla_reports={name: self.sla.report} if self.sla else None,
-                ca_pems={name: self.ingress.ca_pem} if args.ingress.settings.tls != "acme" else None,
-                opts=child(self.sla or self.monitor))
+                opts=child(self.monitor, *(self.monitoring.setup_steps if self.monitoring else ())))
+            if self.monitoring:
+                self.monitoring.export_sla_report(name, self.sla.report)
         self.model = args.model
         self.kv_cache = self.runtime.kv_cache_tokens.apply(lambda v: sizing.kv_capacity_report(args.memory, v))
         self.editor_configs = editor_outputs(args.editors, self.endpoint, self.ingress.ca_pem, args.api_keys)

@@ -282,6 +282,9 @@ class VllmRuntime(pulumi.ComponentResource):
             self.bandwidth_bytes_per_s = bandwidth.stdout.apply(lambda out: reported(out, "bandwidth_bytes_per_s"))
             before_start.append(bandwidth)
 
+        # What else may overlap the engine's start waits for these: nothing loads the host while
+        # its memory bandwidth is measured.
+        self.before_start = before_start
         files = args.service_files
         self.digest = digest_of(args)
         self.service = RemoteStep(

@@ -9,8 +9,11 @@
 #   restarted-at  epoch of its last restart, removed once a probe passes again
 # This script only reads them. Because restarted-at disappears, it counts each new value
 # itself (STATE_DIR), so restarts survive as a counter.
+# Until its first probe, the monitor has no verdict: an engine without start.sh's stamp then is
+# in its first start (the monitor is installed once it serves), so it counts as starting too.
 # Usage: monitor-textfile.sh ENV_FILE   (TEXTFILE_DIR, STATE_DIR, RUN_DIR, MONITORS="node=unit ...",
-#                                        CERTIFICATES="node=certificate file ...")
+#                                        CERTIFICATES="node=certificate file ...",
+#                                        START_STAMPS="unit=start.sh's stamp file ...")
 # Output: $TEXTFILE_DIR/fimfleet_monitor.prom, replaced atomically.
 set -euo pipefail
 # shellcheck disable=SC1090
@@ -32,7 +35,7 @@ number() { # FILE DEFAULT: the file's first word if it is a whole number, else D
 
 metric fimfleet_monitor_probe_ok gauge "1 if the last deep FIM probe got a completion, 0 if it failed or was rejected."
 metric fimfleet_monitor_probe_busy gauge "1 if the last probe failed while the engine produced tokens (loaded, not hung)."
-metric fimfleet_monitor_engine_starting gauge "1 if the last probe failed inside the engine's start grace: starting, not down."
+metric fimfleet_monitor_engine_starting gauge "1 if the last probe failed inside the engine's start grace, or the engine's first start runs: starting, not down."
 metric fimfleet_monitor_probe_rejected gauge "1 if the ingress rejected the last probe (HTTP 401/403): a configuration error no restart fixes."
 metric fimfleet_monitor_last_probe_timestamp_seconds gauge "When the last deep probe ran (0 = never)."
 metric fimfleet_monitor_consecutive_failures gauge "Failed deep probes in a row, as counted by the recovery manager."
@@ -42,17 +45,25 @@ metric fimfleet_monitor_last_restart_timestamp_seconds gauge "When the recovery 
 metric fimfleet_thp_mode gauge "Transparent huge page setting in force (1 for the active mode)."
 metric fimfleet_tls_certificate_not_after_seconds gauge "When the ingress's TLS certificate expires (absent: unreadable)."
 
+declare -A stamp_of=()
+for pair in ${START_STAMPS:-}; do
+  stamp_of[${pair%%=*}]=${pair#*=}
+done
+
 for pair in $MONITORS; do
   node=${pair%%=*} unit=${pair#*=}
   dir="$RUN_DIR/monitor-${unit%.service}"
   labels="node=\"$node\",unit=\"$unit\""
   read -r ts status _ 2>/dev/null < "$dir/last" || { ts=0; status=none; }
   [[ $ts =~ ^[0-9]+$ ]] || ts=0
+  stamp=${stamp_of[$unit]:-}
   if [ "$status" != none ]; then
     sample fimfleet_monitor_probe_ok "$labels" "$([ "$status" = ok ] && echo 1 || echo 0)"
     sample fimfleet_monitor_probe_busy "$labels" "$([ "$status" = busy ] && echo 1 || echo 0)"
     sample fimfleet_monitor_engine_starting "$labels" "$([ "$status" = starting ] && echo 1 || echo 0)"
     sample fimfleet_monitor_probe_rejected "$labels" "$([ "$status" = config-error ] && echo 1 || echo 0)"
+  elif [ -n "$stamp" ] && [ ! -e "$stamp" ]; then
+    sample fimfleet_monitor_engine_starting "$labels" 1
   fi
   sample fimfleet_monitor_last_probe_timestamp_seconds "$labels" "$ts"
   sample fimfleet_monitor_consecutive_failures "$labels" "$(number "$dir/failures" 0)"

@@ -208,7 +208,8 @@ def parse(text: str) -> dict[str, float]:
 class Helper:
     """monitor-textfile.sh against a fake /run/fimfleet and THP directory."""
 
-    def __init__(self, root: Path, monitors: str = "a=vllm-a.service", certificates: tuple[str, ...] = ()):
+    def __init__(self, root: Path, monitors: str = "a=vllm-a.service", certificates: tuple[str, ...] = (),
+                 start_stamps: str = ""):
         self.run_dir, self.out = root / "run", root / "textfile"
         self.state = self.run_dir / "monitor-vllm-a"
         self.state.mkdir(parents=True)
@@ -218,7 +219,8 @@ class Helper:
         self.env = root / "env"
         self.env.write_text(templates.render("prometheus/monitor-textfile.env.j2", textfile_dir=str(self.out),
                                              state_dir=str(root / "state"), run_dir=str(self.run_dir),
-                                             monitors=monitors.split(), certificates=list(certificates))
+                                             monitors=monitors.split(), certificates=list(certificates),
+                                             start_stamps=start_stamps.split())
                             + f"THP_DIR={root / 'thp'}\n")
 
     def write(self, **files):
@@ -265,6 +267,20 @@ def test_helper_exports_the_monitors_state(tmp_path):
     got = h()
     assert got[f"fimfleet_monitor_probe_ok{L}"] == 0 and got[f"fimfleet_monitor_probe_rejected{L}"] == 1
     assert got[f"fimfleet_monitor_engine_starting{L}"] == 0
+
+
+def test_an_engine_in_its_first_start_is_starting_until_the_monitor_judges_it(tmp_path):
+    """Prometheus is set up beside the engine's first start; the monitor only once it serves."""
+    stamp = tmp_path / "vllm-a.service.started"
+    h = Helper(tmp_path, start_stamps=f"vllm-a.service={stamp}")
+    assert h()[f"fimfleet_monitor_engine_starting{L}"] == 1, "no stamp yet: start.sh is starting it"
+    stamp.write_text("digest\n")
+    assert f"fimfleet_monitor_engine_starting{L}" not in h(), "it served once, and no verdict says starting"
+    stamp.unlink()  # start.sh restarts it (a roll): the monitor's own verdict decides now
+    h.write(last="1700000000 fail probe failed: curl exit 7")
+    assert h()[f"fimfleet_monitor_engine_starting{L}"] == 0
+    h.write(last="1700000015 starting probe failed: curl exit 7")
+    assert h()[f"fimfleet_monitor_engine_starting{L}"] == 1
 
 
 def test_helper_counts_each_restart_once_even_after_the_monitor_forgets_it(tmp_path):

@@ -144,6 +144,11 @@ SCENARIOS = {
                                           [("5m", False), ("15m", False)]),
     "node-down-after-the-start-grace": ("FimfleetNodeDown", {}, {VLLM_UP: "1 1 0x20", STARTING: "0 0 1x5 0x15"},
                                         [("7m", False), ("10m", True)]),
+    # the engine's first start: the monitor, installed once it serves, has not probed yet
+    "no-probe-during-the-first-start": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0x40", STARTING: "1x40"},
+                                        [("12m", False), ("30m", False)]),
+    "no-probe-after-the-first-start": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0x40", STARTING: "1x10 0x30"},
+                                       [("9m", False), ("25m", True)]),
     "probe-one-failure-then-ok": ("FimfleetDeepProbeFailing", {}, {PROBE: "1x3 0 1x20"}, [("4m", False), ("10m", False)]),
     "probe-stale": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0+60x5 300x20"}, [("8m", False), ("12m", True)]),
     "probe-fresh": ("FimfleetDeepProbeStale", {}, {PROBE_TS: "0+60x30"}, [("12m", False), ("25m", False)]),

@@ -30,9 +30,11 @@ def ancestors(regs, name):
 
 
 def settle(fleet):
-    """Resolves once the last resource of the node (the SLA check) has been registered."""
+    """Resolves once the last resources of the node (the SLA check, its report to Prometheus)
+    have been registered."""
     node = fleet.nodes["node"]
-    return pulumi.Output.all(node.sla.id, node.monitor.step.id, node.ingress.step.id, node.endpoint)
+    reported = [step.id for step in node.monitoring.steps] if node.monitoring else []
+    return pulumi.Output.all(node.sla.id, node.monitor.step.id, node.ingress.step.id, *reported, node.endpoint)
 
 
 @pulumi.runtime.test
@@ -85,13 +87,16 @@ def test_dependency_order(recorder):
         assert "node-host-packages" in deps("node-nginx")
         assert "node-nginx" in deps("node-ingress")
         assert {"node-ingress-nginx", "node-runtime-service"} <= deps("node-monitor")
-        assert "node-monitor-timer" in deps("node-sla")
+        assert {"node-monitor-timer", "node-monitoring-exporter", "node-monitoring-prometheus"} <= deps("node-sla")
+
+    return settle(fleet).apply(check)
 
 
 @pulumi.runtime.test
 def test_only_what_needs_the_engine_waits_for_it_and_the_rest_overlaps(recorder):
-    """Nothing that needs the engine (monitor, SLA gate, Prometheus) can run before its start has
-    finished, and what does not need it (kernel tuning, nginx) does not wait for it."""
+    """Nothing that needs the engine (monitor, SLA gate, its report to Prometheus) can run before
+    its start has finished, and what does not need it (kernel tuning, nginx, Prometheus) does not
+    wait for it."""
     fleet = build()
 
     def check(_):
@@ -125,15 +130,20 @@ def test_only_what_needs_the_engine_waits_for_it_and_the_rest_overlaps(recorder)
                     todo.append(parent)
             return waits
 
-        for needs_engine in ("node-monitor-timer", "node-sla", "node-monitoring"):
+        for needs_engine in ("node-monitor-timer", "node-sla", "node-monitoring-sla-node"):
             assert "node-runtime-service" in closure(needs_engine), needs_engine
-        for independent in ("node-kernel-apply", "node-nginx", "node-ingress-nginx", "node-host-packages"):
+        for independent in ("node-kernel-apply", "node-nginx", "node-ingress-nginx", "node-host-packages",
+                            "node-monitoring-exporter", "node-monitoring-prometheus"):
             assert "node-runtime-service" not in closure(independent), independent
+        # Prometheus and node_exporter install beside the engine start, after the host's own apt
+        # run and the bandwidth probe, and the gate measures only once they are done
+        for setup in ("node-monitoring-exporter", "node-monitoring-prometheus"):
+            assert {"node-host-packages", "node-runtime-bandwidth"} <= closure(setup), setup
+            assert setup in closure("node-sla"), setup
         assert "node-host-packages" not in closure("node-kernel-apply")
         assert "node-kernel-apply" not in closure("node-ingress-nginx")  # nginx overlaps the kernel tuning
 
-    node = fleet.nodes["node"]
-    return pulumi.Output.all(settle(fleet), node.monitoring.urn).apply(check)
+    return settle(fleet).apply(check)
 
 
 @pulumi.runtime.test
@@ -173,7 +183,7 @@ def test_other_tiers_build(stack):
     @pulumi.runtime.test
     def run():
         fleet = build(tier=stack)
-        return settle(fleet).apply(lambda a: a[-1].startswith("https://"))
+        return settle(fleet).apply(lambda a: assert_all([a[-1].startswith("https://")]))
     run()
 
 
