@@ -15,6 +15,7 @@ everything that reaches the engine; built under a lock, so two runs at once buil
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import secrets
 import shutil
@@ -50,7 +51,7 @@ def stack_config(config_file: Path, vm_state: Path) -> config.StackConfig:
 
 def _steps(cfg: config.StackConfig, node: str = NODE) -> dict:
     r = runtime.render(cfg, node)
-    return {"packages": templates.render("host/packages.sh.j2", packages=host.packages(cfg)),
+    return {"node": node, "packages": templates.render("host/packages.sh.j2", packages=host.packages(cfg)),
             # only what the engine's start runs: a changed check or destroy script keeps the snapshot
             "scripts": {k: v for k, v in runtime.scripts(cfg, node).items() if k in ("install", "model", "start")},
             "files": runtime.service_files(node, r),
@@ -67,8 +68,9 @@ def snapshot_key(base: dict, steps: dict) -> str:
                             steps["files"], steps["lock"], steps["remote_model"], ssh.dir_digest(steps["model"]))
 
 
-def _run(client, what: str, script: str, timeout_s: float) -> str:
+def _run(client, what: str, script: str, timeout_s: float, node: str) -> str:
     t0 = time.monotonic()
+    what = f"{node}'s {what}"
     say(f"{what} ...")
     code, out, err = ssh.run(client, script, timeout_s=timeout_s, label=f"serving snapshot: {what}")
     if code:
@@ -81,16 +83,17 @@ def provision(vm_state: Path, steps: dict, start_timeout_s: float) -> str:
     """The host's packages (the engine preloads jemalloc from them), then the runtime's steps in
     the order VllmRuntime runs them; returns start.sh's output."""
     sh = steps["scripts"]
+    run = functools.partial(_run, node=steps["node"])  # two snapshots may build at once (scripts/local_fleet.py)
     with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(vm_state)))) as client:
-        _run(client, "packages", steps["packages"], 1800)
+        run(client, "packages", steps["packages"], 1800)
         if steps["kind"] == "systemd":
             ssh.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
-        _run(client, "vLLM virtualenv" if steps["kind"] == "systemd" else "engine image pull", sh["install"], 3600)
+        run(client, "vLLM virtualenv" if steps["kind"] == "systemd" else "engine image pull", sh["install"], 3600)
         ssh.put_dir(client, steps["model"], steps["remote_model"])
-        _run(client, "model", sh["model"], 600)
+        run(client, "model", sh["model"], 600)
         ssh.put_files(client, steps["files"])
-        say("starting the engine once (under emulation this takes several minutes; progress follows)")
-        return _run(client, "engine start", sh["start"], start_timeout_s + 120)
+        say(f"starting {steps['node']}'s engine once (under emulation this takes several minutes; progress follows)")
+        return run(client, "engine start", sh["start"], start_timeout_s + 120)
 
 
 def _in_use(path: Path) -> bool:

@@ -72,6 +72,18 @@ def vm(*args, state: Path, **kw) -> dict:
     return json.loads(out) if out.strip().startswith("{") else {}
 
 
+def _testbed_env(wheelhouse: str) -> dict:
+    return {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
+            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
+
+
+def serving_snapshot(serving_config: Path, wheelhouse: str, variant: str = VARIANT, node: str = "node") -> Path:
+    """The snapshot whose engine serves `serving_config`'s runtime as `node` (built the first time)."""
+    from scripts import engine_snapshot
+
+    return engine_snapshot.ensure(vm, serving_config, CACHE, _testbed_env(wheelhouse), variant=variant, node=node)
+
+
 def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False,
              variant: str = VARIANT, guest_ports: tuple[int, ...] = (443,), node: str = "node") -> dict:
     """A fresh VM with guest 443 forwarded to a free local port: restored from the snapshot whose
@@ -82,8 +94,7 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
     docker-engine (that daemon with the engine image in it already). `guest_ports`: the guest's
     ports forwarded to free local ones (a gateway beside the ingress needs its own). `node`: the node
     whose engine the serving snapshot runs (a fleet's VMs each serve their own)."""
-    env = {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
-           "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
+    env = _testbed_env(wheelhouse)
     ports = [a for g in guest_ports for a in ("--forward", str(g))]
     if (state / "info.json").exists():
         status = vm("status", state=state, check=False)
@@ -98,9 +109,7 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
     say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
     if serving_config is None:
         return vm("restore", "--variant", variant, *ports, state=state, env=env)
-    from scripts import engine_snapshot
-
-    sdir = engine_snapshot.ensure(vm, serving_config, CACHE, env, variant=variant, node=node)
+    sdir = serving_snapshot(serving_config, wheelhouse, variant, node)
     say(f"restoring a VM whose engine already serves this stack's runtime ({sdir}); `pulumi up` adopts it")
     return vm("restore", "--snapshot", str(sdir), *ports, state=state, env=env)
 

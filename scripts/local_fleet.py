@@ -5,7 +5,7 @@ VM 1 carries the canary, `node`, and the gateway (guest ports 443 for the node's
 QEMU's user network, at the port this machine forwards to it (components/gateway.py).
 `serving=True` restores each VM from a snapshot whose engine already serves its node's runtime
 (scripts/engine_snapshot.py; VM 1's is the `local` stack's, same name and runtime; VM 2's is
-built once, the first time), so `up` adopts both engines. Without it both VMs start from the
+built once, the first time, beside VM 1's when both are missing), so `up` adopts both engines. Without it both VMs start from the
 booted snapshot, and their engines start during `up` (benchmarks/fleet_deploy.py).
 
     .venv/bin/python -m scripts.local_fleet            # deploy it (state in .work/), print the endpoint
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -41,6 +42,10 @@ def start(root: Path, config_file: Path, paths: dict, serving: bool = False) -> 
     serving_config = None
     if serving:  # every node runs the `local` stack's runtime under its own name
         serving_config = ld.stack_config(root / "Pulumi.local.yaml", vms[NODES[0]], paths["model_dir"])
+        # An emulated engine start keeps one host core busy: on a fresh machine both snapshots
+        # build at once (each start about 7 minutes; both together about 8).
+        with ThreadPoolExecutor(len(NODES)) as pool:
+            list(pool.map(lambda n: ld.serving_snapshot(serving_config, paths["wheelhouse"], node=n), NODES))
     for name, guest_ports in zip(NODES, ((443, GATEWAY_PORT), (443,))):
         ld.start_vm(vms[name], paths["wheelhouse"], serving_config=serving_config, guest_ports=guest_ports, node=name)
     return vms

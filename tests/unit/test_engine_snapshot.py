@@ -4,9 +4,11 @@ fleet's VMs each adopt their own engine, and building one never deletes another 
 from __future__ import annotations
 
 import json
+import threading
 
 from components import config
-from scripts import engine_snapshot
+from scripts import engine_snapshot, local_fleet
+from scripts import local_deploy as ld
 from tests.helpers import TINY_CONFIG, raw_config
 
 
@@ -36,3 +38,22 @@ def test_each_node_gets_a_snapshot_of_its_own_engine(tmp_path):
     base = {"dir": "/snap", "created_at": 1}
     assert engine_snapshot.snapshot_key(base, one) != engine_snapshot.snapshot_key(base, two)
     assert engine_snapshot.snapshot_key(base, one) == engine_snapshot.snapshot_key(base, engine_snapshot._steps(cfg, "node"))
+
+
+def test_a_fleets_two_serving_snapshots_build_at_once(tmp_path, monkeypatch):
+    """Each emulated engine start keeps one host core busy, so the fleet's two snapshots build
+    side by side: one after the other, the barrier below would time out."""
+    both = threading.Barrier(len(local_fleet.NODES), timeout=10)
+    built, restored = [], []
+
+    def serving_snapshot(config_file, wheelhouse, variant="vllm", node="node"):
+        both.wait()
+        built.append(node)
+        return tmp_path / node
+
+    monkeypatch.setattr(ld, "stack_config", lambda config_file, *a, **kw: config_file)
+    monkeypatch.setattr(ld, "serving_snapshot", serving_snapshot)
+    monkeypatch.setattr(ld, "start_vm", lambda state, wheelhouse, **kw: restored.append(kw["node"]))
+    local_fleet.start(tmp_path, tmp_path / "Pulumi.local-fleet.yaml", {"model_dir": "m", "wheelhouse": "w"},
+                      serving=True)
+    assert sorted(built) == sorted(local_fleet.NODES) and restored == list(local_fleet.NODES)
