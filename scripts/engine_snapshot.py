@@ -79,11 +79,11 @@ def _run(client, what: str, script: str, timeout_s: float, node: str) -> str:
     return out
 
 
-def provision(vm_state: Path, steps: dict, start_timeout_s: float) -> str:
+def provision(vm_state: Path, steps: dict, start_timeout_s: float, who: str) -> str:
     """The host's packages (the engine preloads jemalloc from them), then the runtime's steps in
-    the order VllmRuntime runs them; returns start.sh's output."""
+    the order VllmRuntime runs them; returns start.sh's output. `who` names it in progress lines."""
     sh = steps["scripts"]
-    run = functools.partial(_run, node=steps["node"])  # two snapshots may build at once (scripts/local_fleet.py)
+    run = functools.partial(_run, node=who)
     with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(vm_state)))) as client:
         run(client, "packages", steps["packages"], 1800)
         if steps["kind"] == "systemd":
@@ -92,7 +92,7 @@ def provision(vm_state: Path, steps: dict, start_timeout_s: float) -> str:
         ssh.put_dir(client, steps["model"], steps["remote_model"])
         run(client, "model", sh["model"], 600)
         ssh.put_files(client, steps["files"])
-        say(f"starting {steps['node']}'s engine once (under emulation this takes several minutes; progress follows)")
+        say(f"starting {who}'s engine once (under emulation this takes several minutes; progress follows)")
         return run(client, "engine start", sh["start"], start_timeout_s + 120)
 
 
@@ -117,36 +117,49 @@ def _kind(sdir: Path) -> tuple[str, str] | None:
     return saved.get("variant"), (saved.get("label") or {}).get("engine")
 
 
-def ensure(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm", node: str = NODE) -> Path:
-    """The serving snapshot for this stack file, built if missing. `vm` runs vm.py (local_deploy.vm);
-    `variant`: the image it grows from (vllm: the venv is there; docker: dockerd is, and the
-    engine image is pulled from the stack's runtime.image, so that registry must answer;
-    docker-engine: dockerd holds that image already, toolchain/testbed/variants/docker-engine.sh).
-    `node`: the node whose engine it serves (its unit carries the node's name)."""
+def _locate(vm, config_file: Path, cache: Path, env: dict, variant: str, node: str) -> tuple:
+    """(builder VM state, config, steps, snapshot dir): where this stack's serving snapshot is or goes."""
     root = cache / "testbed" / "serving"
     root.mkdir(parents=True, exist_ok=True)
     build_state = root / f"builder-{secrets.token_hex(4)}"
     base = vm("snapshot", "--variant", variant, state=build_state, env=env)
     cfg = stack_config(config_file, build_state)
     steps = _steps(cfg, node)
-    sdir = root / snapshot_key(base, steps)
+    return build_state, cfg, steps, root / snapshot_key(base, steps)
+
+
+def cached(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm", node: str = NODE) -> bool:
+    """Whether ensure() would find it built (the image and its booted snapshot are built if missing)."""
+    return (_locate(vm, config_file, cache, env, variant, node)[-1] / "manifest.json").exists()
+
+
+def ensure(vm, config_file: Path, cache: Path, env: dict, variant: str = "vllm", node: str = NODE) -> Path:
+    """The serving snapshot for this stack file, built if missing. `vm` runs vm.py (local_deploy.vm);
+    `variant`: the image it grows from (vllm: the venv is there; docker: dockerd is, and the
+    engine image is pulled from the stack's runtime.image, so that registry must answer;
+    docker-engine: dockerd holds that image already, toolchain/testbed/variants/docker-engine.sh).
+    `node`: the node whose engine it serves (its unit carries the node's name)."""
+    build_state, cfg, steps, sdir = _locate(vm, config_file, cache, env, variant, node)
     if (sdir / "manifest.json").exists():
         return sdir
+    # Two may build at once (scripts/local_fleet.py, tests/e2e/local_stack.py): name which in progress lines.
+    who = node if variant == "vllm" else f"{node} ({variant})"
     with open(f"{sdir}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (sdir / "manifest.json").exists():
             return sdir
         t0 = time.monotonic()
-        say(f"building {sdir} (once per runtime change): restoring the booted VM")
+        say(f"building {sdir} for {who} (once per runtime change): restoring the booted VM")
         try:
             vm("restore", "--variant", variant, state=build_state, env=env)
-            started = json.loads(provision(build_state, steps, cfg.runtime.start_timeout_s).strip().splitlines()[-1])
+            out = provision(build_state, steps, cfg.runtime.start_timeout_s, who)
+            started = json.loads(out.strip().splitlines()[-1])
             vm("save", "--to", str(sdir), "--label", json.dumps({"engine": runtime.unit_name(node), **started}),
                state=build_state)
         finally:
             vm("stop", "--purge", state=build_state, check=False)
-        say(f"built in {time.monotonic() - t0:.0f} s (engine ready after {started['ready_after_s']} s)")
-    prune(root, sdir, variant, node)
+        say(f"built for {who} in {time.monotonic() - t0:.0f} s (engine ready after {started['ready_after_s']} s)")
+    prune(sdir.parent, sdir, variant, node)
     return sdir
 
 

@@ -72,20 +72,34 @@ def vm(*args, state: Path, **kw) -> dict:
     return json.loads(out) if out.strip().startswith("{") else {}
 
 
-def _testbed_env(wheelhouse: str) -> dict:
+def _testbed_env(wheelhouse: str, variant_env: dict | None = None) -> dict:
+    """vm.py's environment; `variant_env`: what a variant's build needs besides (docker-engine:
+    the image to preload, toolchain/testbed/variants/docker-engine.sh)."""
     return {**os.environ, "FIMFLEET_WHEELHOUSE": wheelhouse,
-            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock")}
+            "FIMFLEET_VLLM_LOCK": str(ROOT / "toolchain/vllm/requirements-cpu.lock"), **(variant_env or {})}
 
 
-def serving_snapshot(serving_config: Path, wheelhouse: str, variant: str = VARIANT, node: str = "node") -> Path:
+def serving_snapshot(serving_config: Path, wheelhouse: str, variant: str = VARIANT, node: str = "node",
+                     variant_env: dict | None = None) -> Path:
     """The snapshot whose engine serves `serving_config`'s runtime as `node` (built the first time)."""
     from scripts import engine_snapshot
 
-    return engine_snapshot.ensure(vm, serving_config, CACHE, _testbed_env(wheelhouse), variant=variant, node=node)
+    env = _testbed_env(wheelhouse, variant_env)
+    return engine_snapshot.ensure(vm, serving_config, CACHE, env, variant=variant, node=node)
+
+
+def serving_snapshot_cached(serving_config: Path, wheelhouse: str, variant: str = VARIANT, node: str = "node",
+                            variant_env: dict | None = None) -> bool:
+    """Whether serving_snapshot() would find it built."""
+    from scripts import engine_snapshot
+
+    env = _testbed_env(wheelhouse, variant_env)
+    return engine_snapshot.cached(vm, serving_config, CACHE, env, variant=variant, node=node)
 
 
 def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False,
-             variant: str = VARIANT, guest_ports: tuple[int, ...] = (443,), node: str = "node") -> dict:
+             variant: str = VARIANT, guest_ports: tuple[int, ...] = (443,), node: str = "node",
+             variant_env: dict | None = None) -> dict:
     """A fresh VM with guest 443 forwarded to a free local port: restored from the snapshot whose
     engine already serves `serving_config`'s runtime (scripts/engine_snapshot.py), or, without
     it, from the variant's booted snapshot (the engine then starts during `pulumi up`).
@@ -93,8 +107,9 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
     `variant`: vllm (the systemd runtime's venv), docker (the docker runtime's daemon) or
     docker-engine (that daemon with the engine image in it already). `guest_ports`: the guest's
     ports forwarded to free local ones (a gateway beside the ingress needs its own). `node`: the node
-    whose engine the serving snapshot runs (a fleet's VMs each serve their own)."""
-    env = _testbed_env(wheelhouse)
+    whose engine the serving snapshot runs (a fleet's VMs each serve their own). `variant_env`: see
+    _testbed_env."""
+    env = _testbed_env(wheelhouse, variant_env)
     ports = [a for g in guest_ports for a in ("--forward", str(g))]
     if (state / "info.json").exists():
         status = vm("status", state=state, check=False)
@@ -109,7 +124,7 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
     say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
     if serving_config is None:
         return vm("restore", "--variant", variant, *ports, state=state, env=env)
-    sdir = serving_snapshot(serving_config, wheelhouse, variant, node)
+    sdir = serving_snapshot(serving_config, wheelhouse, variant, node, variant_env)
     say(f"restoring a VM whose engine already serves this stack's runtime ({sdir}); `pulumi up` adopts it")
     return vm("restore", "--snapshot", str(sdir), *ports, state=state, env=env)
 

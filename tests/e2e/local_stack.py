@@ -5,18 +5,27 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from components import host, ssh
 from scripts import local_deploy as ld
+from tests.helpers import image_build
 
 
 def live(request):
     """Long setup (images, snapshots, an engine start) prints its progress to the test log as it
     goes, instead of minutes of silence that pytest would show only on a failure."""
     return request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled()
+
+
+def selected(request, module: str) -> bool:
+    """Whether this pytest session runs any test of tests/e2e/`module`."""
+    return any(item.path.name == module for item in request.session.items)
 
 
 class Node:
@@ -95,3 +104,63 @@ def one_completion(node) -> None:
                    json={"model": node.outputs()["model"], "prompt": "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>",
                          "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+DOCKER_STACK = "local-docker"
+DOCKER_VARIANT = "docker-engine"
+
+
+@dataclass(frozen=True)
+class DockerEngine:
+    """fimfleet's engine image on the host's test registry (toolchain/image/build.py as `build`)."""
+
+    build: object
+    pushed: str
+    """repo@sha256:... as this machine names it"""
+
+    @property
+    def image(self) -> str:
+        """The same digest, as the guest names it (the registry at 10.0.2.2)."""
+        return self.pushed.replace(self.build.REGISTRY, self.build.GUEST_REGISTRY, 1)
+
+    @property
+    def variant_env(self) -> dict:
+        """The docker-engine variant holds this image already: pulled natively while the image was
+        built, since the same pull under emulation was most of a fresh machine's CI run."""
+        return {"FIMFLEET_PRELOAD_IMAGE": self.pushed, "FIMFLEET_PRELOAD_AS": self.image}
+
+
+def docker_engine() -> DockerEngine:
+    """The image built (cached by its pins) and pushed by the CLI, as a user runs it: it installs
+    buildah and docker-registry on a fresh machine. Its progress goes to the test log."""
+    build = image_build()
+    proc = subprocess.run([str(ld.ROOT / "fimfleet"), "image", "push"], cwd=ld.ROOT, stdout=subprocess.PIPE,
+                          text=True, timeout=3000)
+    if proc.returncode != 0:
+        raise RuntimeError("./fimfleet image push failed: its output is above")
+    return DockerEngine(build, proc.stdout.strip().splitlines()[-1])
+
+
+def docker_config(config_file: Path, state: Path | None, model_dir: str, engine: DockerEngine) -> Path:
+    """The local-docker stack's config, its runtime.image the pushed digest."""
+    return ld.stack_config(config_file, state, model_dir, {"fimfleet:runtime.image": engine.image}, stack=DOCKER_STACK)
+
+
+def docker_snapshot_beside(tmp: Path, paths: dict) -> threading.Thread:
+    """The docker e2e's serving snapshot, built in a thread while the caller builds the local
+    stack's: each emulated engine start keeps one host core busy, so on a machine that lacks
+    both (a fresh one, or after a runtime change) the two take little more than one's time.
+    Join it before anything is measured. A failure is only reported: test_local_docker builds
+    what is missing itself, and fails there if it must."""
+    def build():
+        try:
+            engine = docker_engine()
+            cfg = docker_config(tmp / f"Pulumi.{DOCKER_STACK}.yaml", None, paths["model_dir"], engine)
+            ld.serving_snapshot(cfg, paths["wheelhouse"], DOCKER_VARIANT, variant_env=engine.variant_env)
+        except Exception as e:  # noqa: BLE001 - reported; the docker e2e's own fixture tries again
+            print(f"fimfleet: the docker e2e's serving snapshot, built beside this one, failed ({type(e).__name__}: {e}); "
+                  "test_local_docker builds it itself", file=sys.stderr, flush=True)
+
+    worker = threading.Thread(target=build, name="docker-serving-snapshot", daemon=True)
+    worker.start()
+    return worker

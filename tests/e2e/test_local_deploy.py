@@ -27,8 +27,8 @@ import pytest
 from components import config as fconfig
 from components import kernel
 from scripts import local_deploy as ld
-from tests.e2e.local_stack import (Node, assert_sla_missed, client, keys, live, one_completion, set_impossible_sla,
-                                   shown)
+from tests.e2e.local_stack import (Node, assert_sla_missed, client, docker_snapshot_beside, keys, live, one_completion,
+                                   selected, set_impossible_sla, shown)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
@@ -62,10 +62,15 @@ def node(tmp_path_factory, request):
         n.wheelhouse = paths["wheelhouse"]
         n.model_dir = paths["model_dir"]
         ld.stack_config(n.config_file, n.state, paths["model_dir"])
+        beside = None
+        if selected(request, "test_local_docker.py") and not ld.serving_snapshot_cached(n.config_file, n.wheelhouse):
+            beside = docker_snapshot_beside(n.tmp / "docker-beside", paths)
         # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
         # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
         # build (whenever the runtime changes) and in the integration tests against real vLLM.
         ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file)
+        if beside:  # before anything is measured: an engine start beside an SLA check would skew it
+            beside.join()
     n.old_program = program_at(UPGRADE_FROM, n.tmp / "before-hostbase")
     t0 = time.monotonic()
     proc = n.pulumi("up", "--yes", "--skip-preview", program=n.old_program)

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import time
 
 import pytest
 
 from components import runtime
 from scripts import local_deploy as ld
-from tests.e2e.local_stack import Node, live, one_completion, shown
-from tests.helpers import image_build
+from tests.e2e.local_stack import DOCKER_STACK, DOCKER_VARIANT, Node, docker_config, docker_engine, live, one_completion, shown
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
-STACK = "local-docker"
+STACK = DOCKER_STACK
 CONTAINER = "vllm-node"
 UNIT = runtime.unit_name("node")
 
@@ -40,28 +38,19 @@ def node(tmp_path_factory, request):
     mp.setenv("FIMFLEET_BACKEND_URL", f"file://{n.tmp / 'state'}")
     with live(request):
         paths = ld.prepare()
-        build = n.build = image_build()
-        # The CLI, as a user runs it: it installs buildah and docker-registry on a fresh machine.
-        proc = subprocess.run([str(ld.ROOT / "fimfleet"), "image", "push"], cwd=ld.ROOT, stdout=subprocess.PIPE,
-                              text=True, timeout=3000)
-    assert proc.returncode == 0, "./fimfleet image push failed: its output is above"
-    pushed = proc.stdout.strip().splitlines()[-1]
-    n.image_id = build.config_digest(pushed)
-    n.image = pushed.replace(build.REGISTRY, build.GUEST_REGISTRY, 1)  # the same digest, as the guest names it
-    ld.stack_config(n.config_file, n.state, paths["model_dir"], {"fimfleet:runtime.image": n.image}, stack=STACK)
-    # The image is in the VM's dockerd already (pulled natively while the image was built): the
-    # same pull under emulation was most of a fresh machine's CI run. Pulls of other digests stay real.
-    mp.setenv("FIMFLEET_PRELOAD_IMAGE", pushed)
-    mp.setenv("FIMFLEET_PRELOAD_AS", n.image)
+        engine = docker_engine()
+    n.build, n.image_id, n.image = engine.build, engine.build.config_digest(engine.pushed), engine.image
+    docker_config(n.config_file, n.state, paths["model_dir"], engine)
     with live(request):
-        ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant="docker-engine")
+        ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant=DOCKER_VARIANT,
+                    variant_env=engine.variant_env)
     t0 = time.monotonic()
     n.first_up = n.pulumi("up", "--yes", "--skip-preview")
     n.up_seconds = time.monotonic() - t0
     yield n
     n.pulumi("destroy", "--yes")
     ld.stop_vm(n.state)
-    build.stop_registry()
+    n.build.stop_registry()
     mp.undo()
 
 

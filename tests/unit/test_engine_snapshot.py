@@ -1,15 +1,19 @@
 """The serving snapshots (scripts/engine_snapshot.py): one per node name and image variant, so a
-fleet's VMs each adopt their own engine, and building one never deletes another node's."""
+fleet's VMs each adopt their own engine, building one never deletes another node's, and two
+that are both missing build at once."""
 
 from __future__ import annotations
 
 import json
 import threading
 
+import yaml
+
 from components import config
 from scripts import engine_snapshot, local_fleet
 from scripts import local_deploy as ld
-from tests.helpers import TINY_CONFIG, raw_config
+from tests.e2e import local_stack
+from tests.helpers import TINY_CONFIG, raw_config, set_path
 
 
 def saved(root, name, variant, node) -> None:
@@ -57,3 +61,67 @@ def test_a_fleets_two_serving_snapshots_build_at_once(tmp_path, monkeypatch):
     local_fleet.start(tmp_path, tmp_path / "Pulumi.local-fleet.yaml", {"model_dir": "m", "wheelhouse": "w"},
                       serving=True)
     assert sorted(built) == sorted(local_fleet.NODES) and restored == list(local_fleet.NODES)
+
+
+def local_stack_file(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    doc = yaml.safe_load((ld.ROOT / "stacks" / "Pulumi.local.yaml").read_text())
+    set_path(doc["config"], "fimfleet:model.localPath", str(model))
+    path = tmp_path / "Pulumi.local.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_cached_finds_the_snapshot_that_ensure_would_return(tmp_path):
+    """cached() and ensure() agree on where the stack's snapshot is: the local e2e decides by it
+    whether the docker e2e's snapshot builds beside its own."""
+    config_file, cache = local_stack_file(tmp_path), tmp_path / "cache"
+
+    def vm(*args, state, env=None, **kw):
+        return {"dir": "/snap", "created_at": 1}
+
+    assert not engine_snapshot.cached(vm, config_file, cache, {})
+    cfg = engine_snapshot.stack_config(config_file, tmp_path / "vm")
+    built = cache / "testbed" / "serving" / engine_snapshot.snapshot_key(vm(state=None), engine_snapshot._steps(cfg))
+    built.mkdir(parents=True)
+    (built / "manifest.json").write_text("{}")
+    assert engine_snapshot.cached(vm, config_file, cache, {})
+    assert engine_snapshot.ensure(vm, config_file, cache, {}) == built
+
+
+def test_the_docker_e2es_snapshot_builds_beside_the_local_one(tmp_path, monkeypatch):
+    """Each emulated engine start keeps one host core busy: the local e2e builds its serving
+    snapshot while a thread builds the docker e2e's (one after the other, the barrier times out)."""
+    both = threading.Barrier(2, timeout=10)
+    built = {}
+    engine = local_stack.DockerEngine(build=type("Build", (), {"REGISTRY": "127.0.0.1:5959", "GUEST_REGISTRY": "10.0.2.2:5959"}),
+                                      pushed="127.0.0.1:5959/fimfleet/vllm-cpu@sha256:" + "a" * 64)
+    monkeypatch.setattr(local_stack, "docker_engine", lambda: engine)
+    monkeypatch.setattr(ld, "stack_config", lambda config_file, state, model_dir, extra=None, stack="local":
+                        built.setdefault("config", (stack, extra)) and config_file)
+
+    def serving_snapshot(config_file, wheelhouse, variant="vllm", node="node", variant_env=None):
+        both.wait()
+        built["snapshot"] = (variant, variant_env)
+        return tmp_path / variant
+
+    monkeypatch.setattr(ld, "serving_snapshot", serving_snapshot)
+    worker = local_stack.docker_snapshot_beside(tmp_path, {"model_dir": "m", "wheelhouse": "w"})
+    both.wait()  # the local stack's own build, in this thread
+    worker.join(timeout=10)
+    assert built["config"] == ("local-docker", {"fimfleet:runtime.image": "10.0.2.2:5959/fimfleet/vllm-cpu@sha256:" + "a" * 64})
+    assert built["snapshot"] == ("docker-engine", {"FIMFLEET_PRELOAD_IMAGE": engine.pushed, "FIMFLEET_PRELOAD_AS": engine.image})
+
+
+def test_a_failed_build_beside_is_reported_and_left_to_the_docker_e2e(tmp_path, monkeypatch, capsys):
+    def refused():
+        raise RuntimeError("./fimfleet image push failed: its output is above")
+
+    monkeypatch.setattr(local_stack, "docker_engine", refused)
+    worker = local_stack.docker_snapshot_beside(tmp_path, {"model_dir": "m", "wheelhouse": "w"})
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    err = capsys.readouterr().err
+    assert "image push failed" in err and "test_local_docker builds it itself" in err
