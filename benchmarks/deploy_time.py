@@ -220,10 +220,12 @@ def main() -> int:
         # A's deployed VM idles at more than a core under emulation (engine, monitor, Prometheus):
         # paused, so B's steps and engine start get the machine A had.
         ld.vm("hmp", "stop", state=vm_a)
-        ld.start_vm(vm_b, paths["wheelhouse"])
-        t_runbook, done = timed(replay, steps, vm_b)
-        ld.stop_vm(vm_b)
-        ld.vm("hmp", "cont", state=vm_a)
+        try:
+            ld.start_vm(vm_b, paths["wheelhouse"])
+            t_runbook, done = timed(replay, steps, vm_b)
+            ld.stop_vm(vm_b)
+        finally:  # the destroy below needs A running, also when B failed
+            ld.vm("hmp", "cont", state=vm_a)
         start_a, start_b = engine_start_s(s.get("stdout") for s in steps), engine_start_s(d["stdout"] for d in done)
         result = {
             "pulumi_up_fresh_vm_s": round(t_pulumi, 1),
