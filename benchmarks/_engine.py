@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import httpx
 
 from components.monitoring import vllm_histogram_args
+from tests.helpers import free_port  # noqa: F401  (re-exported to the benchmarks)
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = ROOT / "toolchain" / "vllm" / "install.sh"
@@ -43,12 +43,6 @@ def last_value(out: str, key: str) -> str:
         if line.startswith(key + "="):
             return line.split("=", 1)[1]
     raise RuntimeError(f"no {key}= line in:\n{out[-2000:]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_python() -> str:

@@ -6,6 +6,8 @@ import copy
 import functools
 import importlib.util
 import json
+import socket
+import threading
 from pathlib import Path
 
 API_KEY = "k" * 8 + "0123456789abcdef0123456789"
@@ -14,6 +16,24 @@ API_KEY = "k" * 8 + "0123456789abcdef0123456789"
 TINY_CONFIG = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
                "intermediate_size": 256, "vocab_size": 8192, "max_position_embeddings": 4096,
                "tie_word_embeddings": True}
+
+
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, never one this process was given before: the kernel hands a
+    just-closed port out again (about 1 pick in 100 here), so two picks made before either is bound can
+    collide, as nginx's http and https ports once did in CI."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
 
 
 @functools.lru_cache(maxsize=1)

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.helpers import free_port
+
 SSHD = "/usr/sbin/sshd"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 
@@ -24,12 +26,6 @@ def public_line(private_pem: str) -> str:
 
     key = serialization.load_ssh_private_key(private_pem.encode(), password=None)
     return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sshd:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from components.monitoring import vllm_histogram_args
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "toolchain" / "vllm" / "install.sh"
@@ -50,15 +50,9 @@ def tiny_model(vllm_python: str) -> Path:
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python: str, tiny_model: Path, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     env = dict(os.environ)
     env.update(

@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:
 
 from components.ingress_render import MAIN_CONF, IngressSpec, access_log, ingress_install_plan  # noqa: E402
 from components.nginx_base import NginxBase  # noqa: E402
+from tests.helpers import free_port  # noqa: E402,F401  (re-exported to the test modules)
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 UPSTREAM_SCRIPT = Path(__file__).with_name("sse_upstream.py")
@@ -54,12 +55,6 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(host: str, port: int) -> bool:
