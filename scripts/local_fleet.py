@@ -42,8 +42,8 @@ def start(root: Path, config_file: Path, paths: dict, serving: bool = False) -> 
     serving_config = None
     if serving:  # every node runs the `local` stack's runtime under its own name
         serving_config = ld.stack_config(root / "Pulumi.local.yaml", vms[NODES[0]], paths["model_dir"])
-        # An emulated engine start keeps one host core busy: on a fresh machine both snapshots
-        # build at once (one engine's start took 403 s beside another's, 368 s alone).
+        # An emulated engine start leaves host cores idle part of the time: on a fresh machine both
+        # snapshots build at once (one engine's start took 403 s beside another's, 368 s alone).
         with ThreadPoolExecutor(len(NODES)) as pool:
             list(pool.map(lambda n: ld.serving_snapshot(serving_config, paths["wheelhouse"], node=n), NODES))
     for name, guest_ports in zip(NODES, ((443, GATEWAY_PORT), (443,))):
