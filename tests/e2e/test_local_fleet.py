@@ -13,8 +13,9 @@ engine change does, without the engine's restart (6-7 minutes per node under emu
 benchmarks/roll_capacity.py; the local-docker e2e rolls a real engine restart on one VM.
 
 Not in `./fimfleet test`'s default run (pytest.ini deselects the `fleet` marker): two more VMs
-are 10-12 minutes, and on a fresh machine node2's serving snapshot one more engine start, which
-`.ci/run` cannot hold within a fresh machine's 90 (README, "A fleet on this machine"). Run it with
+are 10-14 minutes (840 s on 2026-12-05), which would take a warm `.ci/run` of 31 minutes to its
+45-minute limit, and on a fresh machine node2's serving snapshot is one more engine start
+(README, "A fleet on this machine"). Run it with
 `./fimfleet test -m fleet tests/e2e/test_local_fleet.py`.
 """
 
