@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import httpx
 
 from components.monitoring import vllm_histogram_args
-from tests.helpers import free_port  # noqa: F401  (re-exported to the benchmarks)
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = ROOT / "toolchain" / "vllm" / "install.sh"

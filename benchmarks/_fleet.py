@@ -13,7 +13,8 @@ from benchmarks._engine import API_KEY, Engine
 from components import gateway_render
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
 from components.tls import issue
-from tests.integration.nginx_harness import SERVER_NAME, Nginx, free_port, write_tls
+from tests.helpers import free_port
+from tests.integration.nginx_harness import SERVER_NAME, Nginx, write_tls
 
 RATE = 1000
 """Requests a second per key at every nginx, and the burst: the benchmark measures the engines."""

@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._engine import arm_sigterm, free_port, make_log, stop_group, vllm_python  # noqa: E402
+from benchmarks._engine import arm_sigterm, make_log, stop_group, vllm_python  # noqa: E402
 from components.sla.probe import ProbeConfig, run_probe  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 from components.sla.stats import percentile  # noqa: E402
 
 STUB = r'''

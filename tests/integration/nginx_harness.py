@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
 
 from components.ingress_render import MAIN_CONF, IngressSpec, access_log, ingress_install_plan  # noqa: E402
 from components.nginx_base import NginxBase  # noqa: E402
-from tests.helpers import free_port  # noqa: E402,F401  (re-exported to the test modules)
+from tests.helpers import free_port  # noqa: E402
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 UPSTREAM_SCRIPT = Path(__file__).with_name("sse_upstream.py")

@@ -23,8 +23,9 @@ from components import gateway_render
 from components.gateway_render import FLEET_TLS_NAME, FleetUpstream, GatewayPaths, Member
 from components.nginx_base import NginxBase
 from components.tls import issue
-from tests.integration.nginx_harness import (CHUNK_DELAY_MS, SERVER_NAME, Nginx, Upstream, bearer, children_of, free_port,
-                                            wait_for, write_tls)
+from tests.helpers import free_port
+from tests.integration.nginx_harness import (CHUNK_DELAY_MS, SERVER_NAME, Nginx, Upstream, bearer, children_of, wait_for,
+                                            write_tls)
 from tests.integration.test_nginx_ingress import assert_streamed_unbuffered, stream_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -48,9 +48,9 @@ import pytest
 import yaml
 
 from components import config, monitor
-from tests.helpers import raw_config
+from tests.helpers import free_port, raw_config
 from tests.integration import systemctl_shim as shim
-from tests.integration.nginx_harness import Nginx, free_port, make_tls
+from tests.integration.nginx_harness import Nginx, make_tls
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
 

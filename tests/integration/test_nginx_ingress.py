@@ -32,10 +32,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# Other test modules import Nginx, free_port and make_tls from here: keep them re-exported.
+from tests.helpers import free_port  # noqa: E402
+# Other test modules import Nginx and make_tls from here: keep them re-exported.
 from tests.integration.nginx_harness import (  # noqa: E402,F401
-    BURST, CHUNK_DELAY_MS, CHUNKS, FIRST_DELAY_MS, RATE, SERVER_NAME, Nginx, TlsFiles, bearer, client, free_port,
-    keys, make_tls, start_nginx, tls, upstream,
+    BURST, CHUNK_DELAY_MS, CHUNKS, FIRST_DELAY_MS, RATE, SERVER_NAME, Nginx, TlsFiles, bearer, client, keys, make_tls,
+    start_nginx, tls, upstream,
 )
 
 from components.ingress_render import access_log, keys_conf  # noqa: E402

@@ -25,8 +25,9 @@ import pytest
 from components import monitoring as m
 from components import templates
 from components.sla import FimSlaCheckProvider
+from tests.helpers import free_port
 from tests.integration.conftest import API_KEY, SERVED
-from tests.integration.nginx_harness import Nginx, free_port, make_tls, stop_process, wait_for
+from tests.integration.nginx_harness import Nginx, make_tls, stop_process, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 

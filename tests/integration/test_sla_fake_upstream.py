@@ -26,6 +26,7 @@ from components.sla.probe import ProbeConfig, check_sla, run_probe
 from components.sla.provider import FimSlaCheckProvider
 from components.sla.report import render_text
 from components.sla.thresholds import SlaThresholds, evaluate
+from tests.helpers import free_port
 
 
 def _load(name: str, path: Path):
@@ -206,13 +207,7 @@ def test_midstream_error_event_and_wrong_key_and_model(fake):
 
 
 def test_connection_refused_is_an_error_not_a_hang():
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    report = run_probe(ProbeConfig(endpoint=f"http://127.0.0.1:{port}", model=MODEL, samples=2,
+    report = run_probe(ProbeConfig(endpoint=f"http://127.0.0.1:{free_port()}", model=MODEL, samples=2,
                                    warmup=0, connect_timeout_s=1.0))
     assert [r.error_kind for r in report.results] == ["connect", "connect"]
 
