@@ -8,14 +8,13 @@ failed request → a change that fails the canary's SLA: `up` fails, node2 untou
 the gateway sends the canary nothing → `destroy` removes both nodes and the gateway.
 
 The rolling change is a kernel value: it drains, retunes and checks each node in turn as an
-engine change does, without the engine's restart (6-7 minutes per node under emulation, which
+engine change does, without the engine's restart (3-4 minutes per node under emulation, which
 `.ci/run` cannot afford twice more). A roll with real engine restarts is measured natively by
 benchmarks/roll_capacity.py; the local-docker e2e rolls a real engine restart on one VM.
 
-Not in `./fimfleet test`'s default run (pytest.ini deselects the `fleet` marker): two more VMs
-are 10-14 minutes (840 s on 2026-12-05), which would take a warm `.ci/run` of 31 minutes to its
-45-minute limit, and on a fresh machine node2's serving snapshot is one more engine start
-(README, "A fleet on this machine"). Run it with
+In `./fimfleet test`'s default run since the test VMs' engines stopped importing vLLM a third
+time (stacks/Pulumi.local.yaml): about 12 minutes warm (699 s on 2026-12-05 14:10), which
+keeps a warm `.ci/run` near 40 minutes, under its 45-minute limit. Alone:
 `./fimfleet test -m fleet tests/e2e/test_local_fleet.py`.
 """
 
