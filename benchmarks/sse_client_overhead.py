@@ -33,8 +33,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._engine import arm_sigterm, make_log, stop_group, vllm_python  # noqa: E402
 from components.sla.probe import ProbeConfig, run_probe  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
 from components.sla.stats import percentile  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 STUB = r'''
 import asyncio, json, sys

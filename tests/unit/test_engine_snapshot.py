@@ -125,3 +125,13 @@ def test_a_failed_build_beside_is_reported_and_left_to_the_docker_e2e(tmp_path, 
     assert not worker.is_alive()
     err = capsys.readouterr().err
     assert "image push failed" in err and "test_local_docker builds it itself" in err
+
+
+def test_the_docker_test_vm_runs_the_local_stacks_engine_settings():
+    """stacks/Pulumi.local-docker.yaml repeats the local stack's engine section (a stack file
+    includes no other): the test-VM settings (plain SSE4.1 paths, the model worker inside the
+    EngineCore) must not drift between the two runtimes the e2e compares."""
+    stacks = ld.ROOT / "stacks"
+    one, docker = (yaml.safe_load((stacks / f"Pulumi.{s}.yaml").read_text())["config"]["fimfleet:engine"]
+                   for s in ("local", "local-docker"))
+    assert docker == one
