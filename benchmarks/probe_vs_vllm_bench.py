@@ -9,7 +9,7 @@ tests/integration/conftest.py's ``vllm_server`` fixture starts it) and alternate
 legs against it, ABBA order (probe, bench, bench, probe, ...) so that drift cancels:
 
   probe  ``components.sla.probe.run_probe`` (what the provider's create runs), in this
-         process (the project venv: httpx, pulumi).
+         process (the project venv: aiohttp, pulumi).
   bench  ``vllm.benchmarks.serve.main_async`` with a Namespace from its ``add_cli_args``,
          backend ``openai`` against /v1/completions, a ``custom`` JSONL dataset holding
          the SAME prompts (built by the probe's own job builder from components/sla/corpus),
@@ -28,7 +28,7 @@ text (what an editor shows), vLLM's bench at the first chunk with ``choices`` ev
 text is empty. With the FIM stop strings (up to 14 characters) vLLM holds the last 13
 characters of text back while they could still become a stop string, so the first 2-3
 chunks arrive empty. --diagnose adds legs that separate that from client cost:
-``raw`` (a bare httpx loop timing first chunk and first text in the same request),
+``raw`` (a bare aiohttp loop timing first chunk and first text in the same request),
 ``probe_nostop``/``bench_nostop`` (no stop strings: both definitions coincide) and
 ``probe_stopids`` (the probe sending the same stops as ``stop_token_ids``, looked up with
 vLLM's /tokenize: no holdback). benchmarks/sse_client_overhead.py measures the client
@@ -70,7 +70,7 @@ from benchmarks._engine import (API_KEY, MAX_MODEL_LEN, SERVED, Engine, arm_sigt
 from benchmarks._vllm_bench_worker import BenchWorker  # noqa: E402
 
 DIAG_LEGS = ("raw", "probe_nostop", "bench_nostop", "probe_stopids")
-"""--diagnose legs: a bare httpx loop; probe and bench without the FIM stop strings; the probe
+"""--diagnose legs: a bare aiohttp loop; probe and bench without the FIM stop strings; the probe
 with the same stops sent as stop_token_ids (the proposed fix: no stop-string holdback)."""
 log = make_log("probe-vs-bench")
 
@@ -155,16 +155,17 @@ def run_bench_leg(a, base: str, model_dir: Path, worker: BenchWorker, tmp: Path,
 
 
 def run_raw_leg(a, base: str) -> dict[str, Any]:
-    """Diagnosis: the probe's request on the probe's httpx client settings, with a bare loop.
+    """Diagnosis: the probe's request on the probe's client (aiohttp, one keepalive pool), with a bare loop.
 
     Per request: t_headers (response headers in), t_first_data (first ``data:`` line, no JSON
     parsed: what the bench calls TTFT), t_first_text (first chunk with non-empty text: the
     probe's TTFT). probe - raw(first_text) = the probe's own bookkeeping; raw(first_data) -
-    bench = httpx against aiohttp; first_text - first_data = the TTFT definition.
+    bench = the two request loops on one client library; first_text - first_data = the TTFT definition.
     """
     import asyncio
 
-    import httpx
+    import aiohttp
+
     from components.sla import probe as probe_mod
 
     run_id = "r" + uuid.uuid4().hex[:11]
@@ -174,11 +175,10 @@ def run_raw_leg(a, base: str) -> dict[str, Any]:
     async def go() -> list[dict[str, float]]:
         headers = {"Accept": "text/event-stream", "Content-Type": "application/json",
                    "User-Agent": probe_mod.USER_AGENT, "Authorization": f"Bearer {API_KEY}"}
-        limits = httpx.Limits(max_connections=a.concurrency, max_keepalive_connections=a.concurrency,
-                              keepalive_expiry=300.0)
+        connector = aiohttp.TCPConnector(limit=a.concurrency, limit_per_host=a.concurrency, keepalive_timeout=300.0)
         rows: list[dict[str, float]] = []
-        async with httpx.AsyncClient(http1=True, http2=False, timeout=httpx.Timeout(30.0), limits=limits,
-                                     headers=headers, trust_env=False) as client:
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=30),
+                                         headers=headers, trust_env=False) as client:
             pending = list(jobs)
 
             async def worker() -> None:
@@ -189,15 +189,15 @@ def run_raw_leg(a, base: str) -> dict[str, Any]:
                                        "stop": list(cfg.stop)}).encode()
                     row: dict[str, float] = {}
                     t0 = time.perf_counter()
-                    async with client.stream("POST", cfg.url, content=body) as resp:
+                    async with client.post(cfg.url, data=body, allow_redirects=False) as resp:
                         row["headers_ms"] = (time.perf_counter() - t0) * 1000
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data:"):
+                        async for line in resp.content:
+                            if not line.startswith(b"data:"):
                                 continue
                             now = time.perf_counter()
                             if "first_data_ms" not in row:
                                 row["first_data_ms"] = (now - t0) * 1000
-                            if "first_text_ms" not in row and line[5:].strip() != "[DONE]":
+                            if "first_text_ms" not in row and line[5:].strip() != b"[DONE]":
                                 obj = json.loads(line[5:])
                                 if any((c.get("text") or "") for c in obj.get("choices") or []):
                                     row["first_text_ms"] = (now - t0) * 1000
@@ -259,7 +259,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--endpoint", help="attach to a running engine (serving tiny-qwen2-fim with benchmarks/_engine.py's API_KEY) instead of starting one")
     p.add_argument("--diagnose", action="store_true",
-                   help="add the diagnosis legs (DIAG_LEGS): raw httpx, both clients without stop strings, probe with stop_token_ids")
+                   help="add the diagnosis legs (DIAG_LEGS): raw aiohttp, both clients without stop strings, probe with stop_token_ids")
     a = p.parse_args()
 
     py = vllm_python()
@@ -366,8 +366,8 @@ def main() -> int:
         hb = [x for r in raw for x in r["holdback_all"]]
         cb = [x for r in raw for x in r["chunks_before_text_all"]]
         result["diagnosis"] = {
-            "raw_httpx_p50_ms": {k: _r(percentile(v, 50)) for k, v in pool.items()},
-            "raw_httpx_mean_ms": {k: _r(sum(v) / len(v)) if v else None for k, v in pool.items()},
+            "raw_client_p50_ms": {k: _r(percentile(v, 50)) for k, v in pool.items()},
+            "raw_client_mean_ms": {k: _r(sum(v) / len(v)) if v else None for k, v in pool.items()},
             "requests_whose_first_data_chunk_had_no_text": sum(r["first_chunk_empty"] for r in raw),
             "requests": len(pool["first_data"]),
             "paired_holdback_ms (first text - first chunk, same request)": {
@@ -386,6 +386,12 @@ def main() -> int:
             "p50": ratio(pn["p50_ms"], bn["p50_ms"]), "p99": ratio(pn["p99_ms"], bn["p99_ms"]),
             "mean": ratio(pn["mean_ms"], bn["mean_ms"]),
             "server_side_mean": ratio(pn["server_ttft_mean_ms"], bn["server_ttft_mean_ms"])}
+        same = ratio(pn["p50_ms"], bn["p50_ms"])
+        result["goal_same_definition"] = {
+            "statement": "probe TTFT p50 at most 1.05x vLLM bench's when both time the same event "
+                         "(no stop strings: the first chunk is the first text)",
+            "ratio_p50": same, "met": same <= 1.05 if same else None,
+            "within_5pct_both_ways": abs(same - 1) <= 0.05 if same else None}
         ps = pooled("probe_stopids")
         result["probe_stopids"] = ps
         result["stop_token_ids"] = stop_ids

@@ -8,7 +8,7 @@ every POST at once, the way vLLM frames a streamed /v1/completions reply (HTTP/1
 keepalive, chunked, one ``data:`` event per chunk, usage chunk, ``[DONE]``), so the TTFT
 each client reports is its own overhead plus the loopback round trip:
 
-  probe  ``components.sla.probe.run_probe`` (the project venv, httpx), as the gate runs it;
+  probe  ``components.sla.probe.run_probe`` (the project venv, aiohttp), as the gate runs it;
   bench  ``vllm.benchmarks.lib.endpoint_request_func.async_request_openai_completions`` on
          one aiohttp session, as ``vllm.benchmarks.serve.benchmark`` drives it (the vLLM venv).
 
@@ -155,7 +155,7 @@ def main() -> int:
     pr, be = summary("probe"), summary("bench")
     result = {
         "benchmark": "sse_client_overhead",
-        "why": "client-only TTFT (stub server answers at once): probe (httpx) vs vLLM bench client (aiohttp)",
+        "why": "client-only TTFT (stub server answers at once): the SLA probe vs vLLM bench client (both aiohttp)",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"nproc": os.cpu_count(), "loadavg_at_end": round(os.getloadavg()[0], 2)},
         "settings": {"rounds": a.rounds, "samples_per_leg": a.samples, "warmup": a.warmup,

@@ -1,6 +1,6 @@
 """The streaming FIM probe: ``ProbeConfig`` -> ``run_probe`` -> ``ProbeReport``.
 
-ONE httpx client speaking HTTP/1.1 with keepalive (as an editor plugin does) streams
+ONE aiohttp session speaking HTTP/1.1 with keepalive (as an editor plugin does) streams
 FIM requests to ``/v1/completions``: a prompt from ``corpus.build_prompt``, stop
 tokens, ``stream: true``, ``stream_options.include_usage``, temperature 0,
 ``max_tokens``, the model name and ``Authorization: Bearer <key>``. For each request
@@ -13,6 +13,11 @@ read (per socket read), and an overall deadline per request enforced with
 ``asyncio.wait_for``; a stalled engine shows up as errors in the report, it never
 hangs the probe. After ``max_consecutive_errors`` failures in a row the remaining
 requests are not sent and are counted as errors.
+
+Why aiohttp: it is the client of vLLM's own serving benchmark (``vllm bench serve``), and
+its C HTTP parser keeps the probe's own time out of the TTFT it reports. httpx (pure-Python
+h11 over anyio) added about 1 ms to every TTFT against a busy engine, 6-7 % of the tiny
+model's 11 ms (benchmarks/probe_vs_vllm_bench.py, results in benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -27,15 +32,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Mapping, Optional, Sequence
-
-import httpx
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from components.sla import corpus
 from components.sla.corpus import FimCase
 from components import models
 from components.sla.report import ProbeReport, RequestResult, SlaResult
 from components.sla.thresholds import SlaThresholds, evaluate
+
+if TYPE_CHECKING:  # imported where a probe runs: the program and the provider's diffs never need it (0.1 s)
+    import aiohttp
 
 DEFAULT_STOP: tuple[str, ...] = models.QWEN_FIM.stop
 """The served model's FIM stop strings (components/models.py, at most 4: vLLM's OpenAI schema
@@ -135,7 +141,7 @@ class ProbeConfig:
 
 
 def tls_settings(cfg: ProbeConfig) -> tuple[Any, str]:
-    """(httpx ``verify`` value, human description) for the endpoint; the benchmark reuses it."""
+    """(aiohttp ``ssl`` value: True, False or an SSLContext; human description) for the endpoint."""
     if cfg.endpoint.startswith("http://"):
         return True, "none (plain http)"
     if cfg.insecure_skip_verify:
@@ -154,7 +160,7 @@ def tls_settings(cfg: ProbeConfig) -> tuple[Any, str]:
         import certifi
 
         ctx = ssl.create_default_context(cafile=certifi.where())
-    except ImportError:  # pragma: no cover - certifi ships with httpx
+    except ImportError:  # pragma: no cover - certifi is pinned in requirements.txt
         ctx = ssl.create_default_context()
     return ctx, "https, verified against the default trust store"
 
@@ -166,21 +172,23 @@ def _redact(text: str, secret: Optional[str]) -> str:
 
 
 def _classify(exc: BaseException, cfg: ProbeConfig) -> tuple[str, str]:
+    """(error kind, message) of a failed request; aiohttp's exception classes, most specific first."""
+    import aiohttp
+
     msg = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if isinstance(exc, httpx.ConnectTimeout):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return "connect_timeout", f"connect timed out after {cfg.connect_timeout_s:g} s"
-    if isinstance(exc, httpx.ReadTimeout):
+    if isinstance(exc, aiohttp.SocketTimeoutError):
         return "read_timeout", f"no data for {cfg.read_timeout_s:g} s (read timeout)"
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, TimeoutError):
         return "timeout", msg
-    if isinstance(exc, httpx.ConnectError):
-        low = str(exc).lower()
-        if "certificate" in low or "ssl" in low or "tls" in low or "handshake" in low:
-            return "tls", msg
+    if isinstance(exc, (aiohttp.ClientSSLError, ssl.SSLError)):
+        return "tls", msg
+    if isinstance(exc, aiohttp.ClientConnectorError):
         return "connect", msg
-    if isinstance(exc, (httpx.RemoteProtocolError, httpx.LocalProtocolError)):
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)):
         return "protocol", msg
-    if isinstance(exc, httpx.ReadError):
+    if isinstance(exc, (aiohttp.ClientOSError, OSError)):
         return "read_error", msg
     if isinstance(exc, (json.JSONDecodeError, ValueError)):
         return "protocol", f"bad SSE payload: {msg}"
@@ -214,17 +222,13 @@ def _jobs(cfg: ProbeConfig, run_id: str, n: int, warmup: bool) -> list[_Job]:
     return jobs
 
 
-async def _read_snippet(resp: httpx.Response, limit: int = 2000) -> str:
-    buf = b""
-    async for chunk in resp.aiter_bytes():
-        buf += chunk
-        if len(buf) >= limit:
-            break
-    return buf[:limit].decode("utf-8", "replace").strip().replace("\n", " ")
+async def _read_snippet(resp: aiohttp.ClientResponse, limit: int = 2000) -> str:
+    buf = await resp.content.read(limit)
+    return buf.decode("utf-8", "replace").strip().replace("\n", " ")
 
 
 async def _one_request(
-    client: httpx.AsyncClient, cfg: ProbeConfig, job: _Job, r: RequestResult
+    session: aiohttp.ClientSession, cfg: ProbeConfig, job: _Job, r: RequestResult
 ) -> None:
     """Send one streaming FIM request and fill ``r`` in as data arrives.
 
@@ -242,29 +246,29 @@ async def _one_request(
     }
     body.update(cfg.extra_body)
     payload = json.dumps(body).encode()
-    extensions = {"sni_hostname": cfg.tls_server_name} if cfg.tls_server_name else None
     content_times: list[float] = []
     usage_tokens: Optional[int] = None
     saw_done = False
     t_done: Optional[float] = None
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", cfg.url, content=payload, extensions=extensions) as resp:
-            r.status = resp.status_code
-            if resp.status_code != 200:
-                r.fail("http", f"HTTP {resp.status_code}: {await _read_snippet(resp)}")
+        async with session.post(cfg.url, data=payload, server_hostname=cfg.tls_server_name or None,
+                                allow_redirects=False) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                r.fail("http", f"HTTP {resp.status}: {await _read_snippet(resp)}")
                 return
-            async for line in resp.aiter_lines():
+            async for line in resp.content:  # one SSE line per iteration, b"\n" included
                 now = time.perf_counter()
-                if saw_done or not line.startswith("data:"):
+                if saw_done or not line.startswith(b"data:"):
                     continue  # blank separators, ": keepalive" comments, event: lines
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     saw_done, t_done = True, now
                     continue  # keep reading to the end so the connection is reusable
                 obj = json.loads(data)
                 if not isinstance(obj, dict):
-                    raise ValueError(f"SSE data is not an object: {data[:80]}")
+                    raise ValueError(f"SSE data is not an object: {data[:80].decode('utf-8', 'replace')}")
                 if obj.get("error"):
                     err = obj["error"]
                     detail = err.get("message", err) if isinstance(err, dict) else err
@@ -309,7 +313,7 @@ async def _one_request(
 
 
 async def _run_phase(
-    client: httpx.AsyncClient, cfg: ProbeConfig, jobs: list[_Job], state: _RunState
+    session: aiohttp.ClientSession, cfg: ProbeConfig, jobs: list[_Job], state: _RunState
 ) -> list[RequestResult]:
     pending = list(jobs)
     results: list[RequestResult] = []
@@ -330,7 +334,7 @@ async def _run_phase(
                 r.fail("aborted", f"not sent: {state.abort_reason}")
                 continue
             try:
-                await asyncio.wait_for(_one_request(client, cfg, job, r), timeout)
+                await asyncio.wait_for(_one_request(session, cfg, job, r), timeout)
             except asyncio.TimeoutError:
                 got = f"; first token after {r.ttft_ms:.0f} ms" if r.ttft_ms is not None else ""
                 r.fail("deadline", f"request exceeded its {timeout:g} s deadline{got}")
@@ -351,6 +355,8 @@ async def _run_phase(
 
 async def run_probe_async(config: ProbeConfig) -> ProbeReport:
     """Async form of ``run_probe`` (for callers that already run an event loop)."""
+    import aiohttp
+
     problems = config.validate()
     if problems:
         raise ValueError("invalid probe config: " + "; ".join(problems))
@@ -363,29 +369,22 @@ async def run_probe_async(config: ProbeConfig) -> ProbeReport:
     }
     if config.api_key:
         headers["Authorization"] = f"Bearer {config.api_key}"
-    timeout = httpx.Timeout(
-        connect=config.connect_timeout_s,
-        read=config.read_timeout_s,
-        write=config.read_timeout_s,
-        pool=config.request_timeout_s,
-    )
-    limits = httpx.Limits(
-        max_connections=config.concurrency,
-        max_keepalive_connections=config.concurrency,
-        keepalive_expiry=300.0,
-    )
+    # connect: waiting for a pooled connection plus opening one; sock_read: each read.
+    # The deadline of a whole request is _run_phase's asyncio.wait_for.
+    timeout = aiohttp.ClientTimeout(total=None, connect=config.request_timeout_s,
+                                    sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t_start = time.perf_counter()
     state = _RunState(
         deadline=(t_start + config.total_timeout_s) if config.total_timeout_s else None,
         max_consecutive=config.max_consecutive_errors,
     )
-    async with httpx.AsyncClient(
-        http1=True, http2=False, verify=verify, timeout=timeout, limits=limits,
-        headers=headers, trust_env=False, follow_redirects=False,
-    ) as client:
-        warm = await _run_phase(client, config, _jobs(config, run_id, config.warmup, True), state)
-        measured = await _run_phase(client, config, _jobs(config, run_id, config.samples, False), state)
+    connector = aiohttp.TCPConnector(limit=config.concurrency, limit_per_host=config.concurrency,
+                                     keepalive_timeout=300.0, ssl=verify)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, trust_env=False,
+                                     cookie_jar=aiohttp.DummyCookieJar()) as session:
+        warm = await _run_phase(session, config, _jobs(config, run_id, config.warmup, True), state)
+        measured = await _run_phase(session, config, _jobs(config, run_id, config.samples, False), state)
     duration = time.perf_counter() - t_start
 
     warnings: list[str] = []

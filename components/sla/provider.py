@@ -163,7 +163,7 @@ class FimSlaCheckProvider(pulumi.dynamic.ResourceProvider):
     """Dynamic provider behind ``FimSlaCheck``. Holds no state: dill stores only its name.
 
     Every method works when called directly (tests do; Pulumi mocks never run
-    dynamic providers). httpx clients are created inside ``run_probe`` per call.
+    dynamic providers). The HTTP session is created inside ``run_probe`` per call.
     """
 
     # Pickled by this name (see the module docstring); the package re-exports the class.

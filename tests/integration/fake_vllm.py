@@ -8,7 +8,8 @@ Threaded HTTP/1.1 server on 127.0.0.1 with keepalive and chunked SSE, like uvico
   ``choices``, then ``data: [DONE]``;
 * bearer-key check (401 like vLLM's ``--api-key``);
 * modes: ``ok``, ``error`` (HTTP 500), ``stall`` (reads the request, never answers),
-  ``stall_after_first`` (headers + one token, then silence), ``error_midstream``
+  ``stall_after_first`` (headers + one token, then silence), ``drop_after_first`` (headers +
+  one token, then the connection closes mid-body, as when the engine dies), ``error_midstream``
   (an ``error`` event instead of the 2nd token), and ``fail_every=N`` (every N-th
   completion request gets a 500);
 * ``GET /metrics``: a Prometheus ``vllm:time_to_first_token_seconds`` histogram
@@ -56,7 +57,7 @@ class FakeConfig:
     tokens: Optional[int] = None
     """Tokens per completion (default: the request's max_tokens)."""
     mode: str = "ok"
-    """ok | error | stall | stall_after_first | error_midstream."""
+    """ok | error | stall | stall_after_first | drop_after_first | error_midstream."""
     fail_every: int = 0
     """If > 0, every N-th completion request answers 500."""
     include_usage: bool = True
@@ -205,6 +206,9 @@ class _Handler(BaseHTTPRequestHandler):
                     if cfg.mode == "stall_after_first":
                         self._wait(3600)
                         self.close_connection = True
+                        return
+                    if cfg.mode == "drop_after_first":
+                        self.close_connection = True  # no last chunk: the body ends mid-stream
                         return
             opts = body.get("stream_options") or {}
             if cfg.include_usage and opts.get("include_usage"):

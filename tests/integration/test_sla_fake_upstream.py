@@ -175,6 +175,15 @@ def test_stall_mid_stream_is_bounded_by_request_deadline(fake):
     assert "first token after" in report.results[0].error
 
 
+def test_a_stream_cut_mid_body_is_a_protocol_error_not_a_hang(fake):
+    fake.config.mode = "drop_after_first"
+    t0 = time.monotonic()
+    report = run_probe(_cfg(fake, samples=2, warmup=0, request_timeout_s=10.0, read_timeout_s=10.0))
+    assert time.monotonic() - t0 < 3.0
+    assert [r.error_kind for r in report.results] == ["protocol", "protocol"], report.to_dict()["error_samples"]
+    assert report.results[0].ttft_ms is not None      # what arrived before the cut is kept
+
+
 def test_read_timeout_is_reported(fake):
     fake.config.mode = "stall"
     t0 = time.monotonic()
