@@ -355,6 +355,41 @@ def testtls_settings():
     assert "plain http" in desc
 
 
+def _failures():
+    """One instance of each client failure the probe can meet, with the kind the report must give it."""
+    import json
+    from types import SimpleNamespace
+
+    import aiohttp
+
+    key = SimpleNamespace(host="10.0.0.5", port=8443, ssl=True, is_ssl=True)
+    return [
+        (aiohttp.ConnectionTimeoutError("Connection timeout to host"), "connect_timeout"),
+        (aiohttp.SocketTimeoutError("Timeout on reading data from socket"), "read_timeout"),
+        (aiohttp.ServerTimeoutError("timeout"), "timeout"),
+        (aiohttp.ClientConnectorCertificateError(key, ssl.SSLCertVerificationError("hostname mismatch")), "tls"),
+        (aiohttp.ClientConnectorSSLError(key, ssl.SSLError("wrong version number")), "tls"),
+        (aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connection refused")), "connect"),
+        (aiohttp.ServerDisconnectedError(), "protocol"),
+        (aiohttp.ClientPayloadError("Response payload is not completed"), "protocol"),
+        (aiohttp.ClientOSError(104, "Connection reset by peer"), "read_error"),
+        (json.JSONDecodeError("Expecting value", "data: {", 6), "protocol"),
+        (RuntimeError("something else"), "client"),
+    ]
+
+
+@pytest.mark.parametrize("exc, kind", _failures(), ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else v)
+def test_each_client_failure_gets_its_kind(exc, kind):
+    from components.sla.probe import _classify
+
+    got, message = _classify(exc, ProbeConfig(endpoint="https://h", model="m", connect_timeout_s=3, read_timeout_s=7))
+    assert got == kind, (exc, message)
+    if kind == "connect_timeout":
+        assert message == "connect timed out after 3 s"
+    if kind == "read_timeout":
+        assert message == "no data for 7 s (read timeout)"
+
+
 # ---------------------------------------------------------------- corpus
 
 
