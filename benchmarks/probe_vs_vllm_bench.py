@@ -164,8 +164,6 @@ def run_raw_leg(a, base: str) -> dict[str, Any]:
     """
     import asyncio
 
-    import aiohttp
-
     from components.sla import probe as probe_mod
 
     run_id = "r" + uuid.uuid4().hex[:11]
@@ -173,12 +171,8 @@ def run_raw_leg(a, base: str) -> dict[str, Any]:
     jobs = probe_mod._jobs(cfg, run_id, a.warmup, True) + probe_mod._jobs(cfg, run_id, a.samples, False)
 
     async def go() -> list[dict[str, float]]:
-        headers = {"Accept": "text/event-stream", "Content-Type": "application/json",
-                   "User-Agent": probe_mod.USER_AGENT, "Authorization": f"Bearer {API_KEY}"}
-        connector = aiohttp.TCPConnector(limit=a.concurrency, limit_per_host=a.concurrency, keepalive_timeout=300.0)
         rows: list[dict[str, float]] = []
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=30),
-                                         headers=headers, trust_env=False) as client:
+        async with probe_mod.open_session(cfg) as client:
             pending = list(jobs)
 
             async def worker() -> None:

@@ -353,15 +353,12 @@ async def _run_phase(
     return results
 
 
-async def run_probe_async(config: ProbeConfig) -> ProbeReport:
-    """Async form of ``run_probe`` (for callers that already run an event loop)."""
+def open_session(config: ProbeConfig, verify: Any = None) -> "aiohttp.ClientSession":
+    """The probe's HTTP client: one keepalive pool of ``concurrency`` connections, its TLS
+    (``verify``: tls_settings' value, computed when None), headers and timeouts
+    (benchmarks/probe_vs_vllm_bench.py's raw leg times the same client)."""
     import aiohttp
 
-    problems = config.validate()
-    if problems:
-        raise ValueError("invalid probe config: " + "; ".join(problems))
-    run_id = config.run_id or uuid.uuid4().hex[:12]
-    verify, tls_desc = tls_settings(config)
     headers = {
         "Accept": "text/event-stream",
         "Content-Type": "application/json",
@@ -373,16 +370,27 @@ async def run_probe_async(config: ProbeConfig) -> ProbeReport:
     # The deadline of a whole request is _run_phase's asyncio.wait_for.
     timeout = aiohttp.ClientTimeout(total=None, connect=config.request_timeout_s,
                                     sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s)
+    connector = aiohttp.TCPConnector(limit=config.concurrency, limit_per_host=config.concurrency,
+                                     keepalive_timeout=300.0,
+                                     ssl=tls_settings(config)[0] if verify is None else verify)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, trust_env=False,
+                                 cookie_jar=aiohttp.DummyCookieJar())
+
+
+async def run_probe_async(config: ProbeConfig) -> ProbeReport:
+    """Async form of ``run_probe`` (for callers that already run an event loop)."""
+    problems = config.validate()
+    if problems:
+        raise ValueError("invalid probe config: " + "; ".join(problems))
+    run_id = config.run_id or uuid.uuid4().hex[:12]
+    verify, tls_desc = tls_settings(config)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t_start = time.perf_counter()
     state = _RunState(
         deadline=(t_start + config.total_timeout_s) if config.total_timeout_s else None,
         max_consecutive=config.max_consecutive_errors,
     )
-    connector = aiohttp.TCPConnector(limit=config.concurrency, limit_per_host=config.concurrency,
-                                     keepalive_timeout=300.0, ssl=verify)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, trust_env=False,
-                                     cookie_jar=aiohttp.DummyCookieJar()) as session:
+    async with open_session(config, verify) as session:
         warm = await _run_phase(session, config, _jobs(config, run_id, config.warmup, True), state)
         measured = await _run_phase(session, config, _jobs(config, run_id, config.samples, False), state)
     duration = time.perf_counter() - t_start
