@@ -321,6 +321,7 @@ def _tier_defaults(tier: Tier) -> dict[str, dict[str, Any]]:
                    "kvCacheGiB": tier.kv_cache_gib, "gpuMemoryUtilization": tier.gpu_memory_utilization},
         "runtime": {"kind": tier.runtime, "startTimeoutS": tier.start_timeout_s},
         "sla": dict(tier.sla),
+        "monitor": dict(tier.monitor),
     }
 
 

@@ -48,6 +48,16 @@ def test_local_stack_detects_a_hang_within_the_budget(tmp_path):
     assert s.detection_bound_s <= monitor.DETECT_BUDGET_S, s
 
 
+def test_the_test_vms_tier_probes_less_often_and_a_stack_value_wins(tmp_path):
+    """local-vm's own monitor default (components/tiers.py) over MonitorConfig's 5 s; every
+    other tier keeps 5 s; a stack's monitor.intervalS overrides the tier."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    model = {"source": "local", "localPath": str(tmp_path)}
+    assert settings_for("local-vm", model=model).interval_s == tiers.TIERS["local-vm"].monitor["intervalS"] == 15
+    assert settings_for("local-vm", model=model, intervalS=7).interval_s == 7
+    assert {settings_for(t).interval_s for t in tiers.TIERS if t != "local-vm"} == {5}
+
+
 def test_explicit_probe_timeout_wins_and_the_bound_says_so():
     s = settings_for("cpu-epyc-prod", probeTimeoutS=60, intervalS=30)
     assert s.probe_timeout_s == 60
