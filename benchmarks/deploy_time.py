@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from components import cache, host, ssh  # noqa: E402
+from benchmarks import _up_phases as up_phases  # noqa: E402
 from scripts import local_deploy as ld  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "deploy_time.json"
@@ -138,8 +139,9 @@ pulumi.export("ok", One("one").id)
 own Python process, which imports the Pulumi SDK, before its first diff."""
 
 
-def reference_up(tmp: Path, name: str, program: str) -> float:
-    """`pulumi up` of a reference program (created on the first call, so later calls are no-ops)."""
+def reference_cmd(tmp: Path, name: str, program: str) -> list[str]:
+    """The `pulumi up` of a reference program, created and deployed on the first call, so that
+    every later `up` is a no-op."""
     proj = tmp / name
     proj.mkdir(exist_ok=True)
     (proj / "Pulumi.yaml").write_text(f"name: {name}\nruntime:\n  name: python\n  options:\n"
@@ -152,6 +154,11 @@ def reference_up(tmp: Path, name: str, program: str) -> float:
     if not (proj / ".created").exists():
         subprocess.run(up, check=True, capture_output=True)
         (proj / ".created").touch()
+    return up
+
+
+def reference_up(tmp: Path, name: str, program: str) -> float:
+    up = reference_cmd(tmp, name, program)
     t, _ = timed(subprocess.run, up, check=True, capture_output=True)
     return t
 
@@ -180,7 +187,18 @@ def noop_vs_empty(config_file: Path, tmp: Path, rounds: int = 5) -> dict:
             "ratio_one_dynamic_over_empty_median": round(med(one) / med(empty), 3),
             "ratio_noop_over_one_dynamic_median": round(med(noop) / med(one), 3),
             # Unset is Python's default; set, every run compiles the program's modules again.
-            "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE", "")}
+            "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE", ""),
+            "phases_one_verbose_run": noop_phases(config_file, tmp)}
+
+
+def noop_phases(config_file: Path, tmp: Path) -> dict:
+    """Where each program's no-op `up` goes (benchmarks/_up_phases.py), one verbose run each."""
+    verbose = ("-v=9", "--logtostderr")
+    runs = {"noop": pulumi(config_file, "up", "--yes", "--skip-preview", *verbose).stderr}
+    for name, program in (("empty", EMPTY_PROGRAM), ("one_dynamic", ONE_DYNAMIC_RESOURCE)):
+        runs[name] = subprocess.run(reference_cmd(tmp, name.replace("_", "-"), program) + list(verbose),
+                                    check=True, capture_output=True, text=True).stderr
+    return {name: up_phases.phases(log) for name, log in runs.items()}
 
 
 def save(name: str, result: dict) -> None:
