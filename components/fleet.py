@@ -12,6 +12,9 @@ node the last `up` did not deploy serves nobody yet, so its engine waits only fo
 and its host is set up beside the canary: a fresh fleet is the canary, then all the rest at once.
 The gateway's host (a node's, or its own machine without an engine) is set up first and is
 not gated, since every drain runs there.
+
+Every gate is a rollout order only (rollout_gate): held while `up` runs, never recorded as a
+dependency, so `destroy` takes the nodes down side by side.
 """
 
 from __future__ import annotations
@@ -51,6 +54,23 @@ def args_for(cfg) -> FleetArgs:
     return FleetArgs(hosts=hosts, nodes=nodes, gateway=gw)
 
 
+def _registered(gate: pulumi.Input[list]) -> pulumi.Output:
+    """The URNs of the resources in `gate`, known once each is registered (created or updated)."""
+    return pulumi.Output.from_input(gate).apply(lambda rs: pulumi.Output.all(*[r.urn for r in rs or []]))
+
+
+def rollout_gate(gate: pulumi.Input[list]) -> pulumi.Output:
+    """`depends_on` for the rollout order, held while the program runs and not kept in the state.
+
+    A resource given it registers only once every custom resource in `gate` (a list, or an
+    Output of one) has been created or updated, as with `depends_on` itself, but no dependency
+    on them is recorded: one node needs nothing of another, the order is only the rollout's.
+    Recorded, it would make `destroy` take the nodes down one after another, in reverse rollout
+    order, and `destroy --target` of a node take every later node with it."""
+    waited = _registered(gate)
+    return pulumi.Output(set(), waited.apply(lambda _: []).future(), waited.is_known())
+
+
 NODES_OUTPUT = "nodes"
 """The stack output that lists the nodes (__main__.py); the next `up` reads it back."""
 
@@ -76,6 +96,8 @@ class Fleet(pulumi.ComponentResource):
         self.nodes: dict[str, NodeService] = {}
         self.gateway = self.fleet_sla = None
         self.enables: dict = {}
+        self.gates: dict[tuple[str, str], pulumi.Output] = {}
+        """(name, "host" | "node" | "drain") -> the names its rollout gate waits for (_gate)."""
         if args.gateway is None:
             self._chain(args)
         else:
@@ -94,21 +116,28 @@ class Fleet(pulumi.ComponentResource):
             self.endpoint, self.ca_pem, self.editor_configs = canary.endpoint, canary.ingress.ca_pem, canary.editor_configs
         self.register_outputs({"endpoints": self.endpoints})
 
-    def _host(self, name: str, args: FleetArgs, gate: list) -> HostBase:
+    def _gate(self, name: str, kind: str, gate: pulumi.Input[list]) -> pulumi.Output:
+        """rollout_gate(gate), with the names it waits for kept in self.gates: the order is in no
+        dependency of the state, so this is where it can be read (the unit tests do)."""
+        self.gates[(name, kind)] = _registered(gate).apply(lambda urns: {u.split("::")[-1] for u in urns})
+        return rollout_gate(gate)
+
+    def _host(self, name: str, args: FleetArgs, gate: pulumi.Input[list]) -> HostBase:
         if name not in self.hosts:
             # The one-node layout kept the host under the node of the same name.
             moved = hostbase.legacy_parent(name, self) if name in args.nodes else None
-            self.hosts[name] = HostBase(name, args.hosts[name], moved_from=moved,
-                                        opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+            self.hosts[name] = HostBase(name, args.hosts[name], moved_from=moved, opts=pulumi.ResourceOptions(
+                parent=self, depends_on=self._gate(name, "host", gate)))
         return self.hosts[name]
 
     def _chain(self, args: FleetArgs) -> None:
         previous = None
         for node_name, node_args in args.nodes.items():
-            gate = [previous.sla or previous] if previous else []
+            gate = [previous.sla or previous.monitor.step] if previous else []
             base = self._host(node_args.host, args, gate)
             self.nodes[node_name] = previous = NodeService(
-                node_name, node_args, base, opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+                node_name, node_args, base,
+                opts=pulumi.ResourceOptions(parent=self, depends_on=self._gate(node_name, "node", gate)))
 
     def _waves(self, args: FleetArgs, gw: GatewayArgs, deployed) -> None:
         gw_base = self._host(gw.host, args, [])
@@ -131,10 +160,11 @@ class Fleet(pulumi.ComponentResource):
                 base = self._host(node_args.host, args, base_gate)
                 trigger = gateway_shape.rollout_digest(node_args.runtime, host_args.kernel, host_args.host.packages)
                 drain = gateway_shape.member_step(node_name, False, gw, gw_base.connection, gw_base.nginx_settings,
-                                                  trigger, self, after=gate)
+                                                  trigger, self, after=self._gate(node_name, "drain", gate))
                 svc = NodeService(node_name, node_args, base, gate=[drain],
                                   extra_keys={keys.FLEET_PROBE_KEY_NAME: probe_key},
-                                  opts=pulumi.ResourceOptions(parent=self, depends_on=gate))
+                                  opts=pulumi.ResourceOptions(parent=self,
+                                                              depends_on=self._gate(node_name, "node", gate)))
                 # Back into rotation once the node's own SLA check passed (its monitor, with the gate off).
                 enable_step = gateway_shape.member_step(node_name, True, gw, gw_base.connection,
                                                         gw_base.nginx_settings, trigger, self,

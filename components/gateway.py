@@ -84,7 +84,7 @@ def member(name: str, node_host, gateway_host: str, https_port: int) -> Member:
 
 
 def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.Input[dict], nginx: NginxBase,
-                trigger: str, parent: pulumi.Resource, after: list) -> RemoteStep:
+                trigger: str, parent: pulumi.Resource, after: pulumi.Input[list]) -> RemoteStep:
     """Node `node`'s drain (before its engine changes) or enable (after its SLA check) on the
     gateway host. Both run only when `trigger` changes, so an unchanged node is never drained,
     and a node whose check failed stays drained until a later `up` passes it."""

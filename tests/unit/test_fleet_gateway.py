@@ -37,6 +37,18 @@ def deps(table, name, type_=None):
     return hits[0]
 
 
+def with_gates(f, *outputs):
+    """The fleet's rollout gates, resolved ((name, kind) -> the names each waits for), once
+    `outputs` are: the gates are held by the program, never recorded as dependencies."""
+    keys = list(f.gates)
+    return pulumi.Output.all(*outputs, *f.gates.values()).apply(lambda v: dict(zip(keys, v[len(outputs):])))
+
+
+def registered_before(recorder, first, then):
+    order = [r["name"] for r in recorder.registrations]
+    return order.index(first) < order.index(then)
+
+
 def test_waves_put_the_canary_alone_then_max_unavailable_at_a_time():
     assert gateway.waves(["a", "b", "c", "d", "e"], 2) == [["a"], ["b", "c"], ["d", "e"]]
     assert gateway.waves(["a", "b", "c"], 1) == [["a"], ["b"], ["c"]]
@@ -47,18 +59,21 @@ def test_waves_put_the_canary_alone_then_max_unavailable_at_a_time():
 def test_a_roll_drains_checks_and_enables_each_node_wave_after_wave(recorder):
     f = Fleet("fleet", fleet_shape.args_for(fleet_cfg()))
 
-    def check(_):
+    def check(gates):
         t = deps_by_name(recorder)
         # the canary's engine waits for its drain; its enable for its own SLA check
         assert "n1-drain" in deps(t, "n1-runtime", "fimfleet:runtime:VllmRuntime")
         assert "n1-sla" in deps(t, "n1-enable")
         # the second wave (n2, n3 together) waits for the canary's enable, not for each other
         for n in ("n2", "n3"):
-            assert "n1-enable" in deps(t, f"{n}-drain")
-            assert "n1-enable" in deps(t, n, "fimfleet:host:HostBase")
-        assert "n2-enable" not in deps(t, "n3-drain")
+            assert gates[(n, "drain")] == gates[(n, "node")] == gates[(n, "host")] == {"n1-enable"}, gates
+            assert registered_before(recorder, "n1-enable", f"{n}-drain")
+            # ... an order held by the program only: no node depends on another in the state, so
+            # `destroy` takes them down side by side (and `destroy --target` takes one)
+            for name, type_ in ((f"{n}-drain", None), (n, "fimfleet:node:NodeService"), (n, "fimfleet:host:HostBase")):
+                assert not {"n1-enable", "n1-sla", "n1"} & deps(t, name, type_), (name, deps(t, name, type_))
         # the gateway's host is set up first, ungated: every drain runs there
-        assert not deps(t, "n1", "fimfleet:host:HostBase")
+        assert not deps(t, "n1", "fimfleet:host:HostBase") and gates[("n1", "host")] == set()
         # the fleet's check runs through the gateway after every node is back
         assert {"n2-enable", "n3-enable", "gateway-ingress-nginx"} <= deps(t, "fleet-sla")
         # and after every node's Prometheus and node_exporter steps, which would load the node it measures
@@ -69,7 +84,7 @@ def test_a_roll_drains_checks_and_enables_each_node_wave_after_wave(recorder):
         n1 = [r for r in recorder.registrations if r["name"] == "n1-sla"][0]["inputs"]
         assert sla["concurrency"] == 3 * n1["concurrency"]
 
-    return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+    return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
 
 
 @pulumi.runtime.test
@@ -99,6 +114,22 @@ def test_the_gateway_trusts_the_nodes_cas_and_each_node_certificate_names_the_fl
         assert f"proxy_ssl_name {FLEET_TLS_NAME}" in files["gateway.conf"]["content"]
 
     return pulumi.Output.all(f.gateway.step.id, f.gateway.endpoint).apply(check)
+
+
+@pulumi.runtime.test
+def test_without_a_gateway_each_node_waits_for_the_ones_sla_before_it_and_depends_on_none(recorder):
+    f = Fleet("fleet", fleet_shape.args_for(config.parse(*raw_config(nodes=NODES))))
+
+    def check(gates):
+        t = deps_by_name(recorder)
+        assert gates[("n1", "host")] == gates[("n1", "node")] == set()
+        for n, before in (("n2", "n1-sla"), ("n3", "n2-sla")):
+            assert gates[(n, "host")] == gates[(n, "node")] == {before}, gates
+            assert registered_before(recorder, before, f"{n}-host-preflight")
+            for type_ in ("fimfleet:node:NodeService", "fimfleet:host:HostBase"):
+                assert not {"n1-sla", "n2-sla", "n1", "n2"} & deps(t, n, type_), (n, deps(t, n, type_))
+
+    return with_gates(f, *[svc.sla.id for svc in f.nodes.values()]).apply(check)
 
 
 @pulumi.runtime.test
@@ -233,18 +264,18 @@ def test_drains_run_on_the_gateways_host_which_is_set_up_first_and_ungated(recor
                                                       **({"ingress": {}} if own else {}))))
     gw_host = gateway.GATEWAY if own else "n1"
 
-    def check(_):
+    def check(gates):
         t = deps_by_name(recorder)
-        assert not deps(t, gw_host, "fimfleet:host:HostBase")
+        assert not deps(t, gw_host, "fimfleet:host:HostBase") and gates[(gw_host, "host")] == set()
         assert bool([k for k in t if k == (gateway.GATEWAY, "fimfleet:host:HostBase")]) is own
         regs = {r["name"]: r for r in recorder.registrations}
         for n in NODES:
             conn = regs[f"{n}-drain"]["inputs"]["connection"]
             conn = conn["value"] if isinstance(conn, dict) and "value" in conn else conn
             assert conn["host"] == ("198.51.100.20" if own else "203.0.113.10"), (n, conn["host"])
-        assert "n1-enable" in deps(t, "n2-drain")
+        assert gates[("n2", "drain")] == {"n1-enable"}
 
-    return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+    return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
 
 
 @pytest.mark.parametrize("deployed, n3_waits_for", [
@@ -257,22 +288,21 @@ def test_drains_run_on_the_gateways_host_which_is_set_up_first_and_ungated(recor
 def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, deployed, n3_waits_for):
     """n3 is in the third wave (maxUnavailable 1)."""
     f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(rollout={"maxUnavailable": 1})), deployed=deployed)
-    other = {"n1-enable", "n2-enable"} - {n3_waits_for}
 
-    def check(_):
+    def check(gates):
         t = deps_by_name(recorder)
-        assert "n1-enable" in deps(t, "n2-drain")  # the second wave always follows the canary
-        for name, type_ in (("n3-drain", None), ("n3", "fimfleet:node:NodeService")):
-            assert n3_waits_for in deps(t, name, type_) and not other & deps(t, name, type_), (name, deps(t, name, type_))
+        assert gates[("n2", "drain")] == {"n1-enable"}  # the second wave always follows the canary
+        for kind in ("drain", "node"):
+            assert gates[("n3", kind)] == {n3_waits_for}, (kind, gates[("n3", kind)])
+        assert registered_before(recorder, n3_waits_for, "n3-drain")
         # a new node's host is set up beside the canary; a serving node's host waits for its wave
-        host = deps(t, "n3", "fimfleet:host:HostBase")
         new = deployed is not None and "n3" not in deployed
-        assert (not host & {"n1-enable", "n2-enable"}) if new else (n3_waits_for in host and not other & host), host
+        assert gates[("n3", "host")] == (set() if new else {n3_waits_for}), gates[("n3", "host")]
         if deployed == []:  # the second wave too
-            assert "n1-enable" not in deps(t, "n2", "fimfleet:host:HostBase")
+            assert gates[("n2", "host")] == set()
         assert {"n1-enable", "n2-enable", "n3-enable"} <= deps(t, "fleet-sla")
 
-    return pulumi.Output.all(f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+    return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
 
 
 def test_member_addresses_follow_the_node_names_so_a_removed_node_moves_no_other_key():
