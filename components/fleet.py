@@ -66,7 +66,7 @@ def rollout_gate(gate: pulumi.Input[list]) -> pulumi.Output:
     Output of one) has been created or updated, as with `depends_on` itself, but no dependency
     on them is recorded: one node needs nothing of another, the order is only the rollout's.
     Recorded, it would make `destroy` take the nodes down one after another, in reverse rollout
-    order, and `destroy --target` of a node take every later node with it."""
+    order, and every later node a dependent of the canary (`destroy --target`)."""
     waited = _registered(gate)
     return pulumi.Output(set(), waited.apply(lambda _: []).future(), waited.is_known())
 
