@@ -138,13 +138,29 @@ def test_each_key_stays_on_one_node_and_the_keys_spread_over_both(fleet, client)
     assert sum(len(v) for v in served.values()) == 3 * len(USERS)  # nothing was sent twice
 
 
-def test_the_fleets_sla_probe_spreads_over_every_node(fleet, client):
-    """The fleet's SLA check through the gateway measures the fleet: its one key is not kept on one node."""
-    for _ in range(16):  # one in 2^15 runs would put all on one node
-        assert fleet.complete(client, PROBE).status_code == 200
-        time.sleep(1 / GATEWAY_RATE)
-    served = fleet.served_by()
-    assert all(PROBE in names for names in served.values()), served
+def test_the_fleets_sla_probe_goes_to_the_node_with_the_fewest_open_streams(fleet, client):
+    """The fleet's SLA check through the gateway measures the fleet: at twice a node check's
+    concurrency each node carries one stream, as in its own check. Its one key kept on one node,
+    a random spread or a plain round robin would send a request to the node already streaming."""
+    body = {"model": "sse-test", "prompt": "<|fim_prefix|>x<|fim_suffix|>y<|fim_middle|>", "max_tokens": 20,
+            "stream": True}
+
+    def probes() -> dict[str, int]:
+        return {n: names.count(PROBE) for n, names in fleet.served_by().items()}
+
+    for _ in range(2):
+        before = probes()
+        with client.stream("POST", fleet.gateway.url("/v1/completions"), json=body,
+                           headers=bearer(fleet.keys[PROBE])) as streaming:
+            assert streaming.status_code == 200
+            for _ in range(2):  # while it streams (a node logs a request once it is done)
+                assert fleet.complete(client, PROBE).status_code == 200
+            during = {n: c - before[n] for n, c in probes().items()}
+            streaming.read()
+        busy = [n for n, c in during.items() if c == 0]
+        assert sorted(during.values()) == [0, 2] and len(busy) == 1, during
+        assert probes()[busy[0]] - before[busy[0]] == 1, "the stream was not where nothing else went"
+        time.sleep(4 / GATEWAY_RATE)
 
 
 def test_a_drained_node_gets_nothing_and_its_keys_come_back_when_enabled(fleet, client):

@@ -108,9 +108,14 @@ def test_the_gateway_trusts_the_nodes_cas_and_each_node_certificate_names_the_fl
         for n, listen in member_listens(NODES).items():
             assert f"listen {listen};" in site and f"enabled/{n})" in site
             assert f"{n} {listen}" in files["servers.sh"]["content"]
-        assert "hash $fimfleet_gateway_route consistent" in site  # the key's name; the fleet probe's request id
-        assert re.search(r"map \$fimfleet_gateway_key_name \$fimfleet_gateway_route \{\s+"
-                         rf"{FLEET_PROBE_KEY_NAME} \$request_id;\s+default \$fimfleet_gateway_key_name;", site), site
+        assert "hash $fimfleet_gateway_key_name consistent" in site  # each key on its node
+        # the fleet probe's requests: the node with the fewest open streams, over the same members
+        assert re.search(r"map \$fimfleet_gateway_key_name \$fimfleet_gateway_pool \{\s+"
+                         rf"{FLEET_PROBE_KEY_NAME} fimfleet_gateway_vllm_spread;\s+default fimfleet_gateway_vllm;", site), site
+        # ... counted across the gateway's workers (each has its own count without a zone)
+        assert re.search(r"upstream fimfleet_gateway_vllm_spread \{\s+least_conn;\s+#[^\n]*\n\s+"
+                         r"zone fimfleet_gateway_vllm_spread \d+k;\s+include \S+servers;", site), site
+        assert "proxy_pass http://$fimfleet_gateway_pool;" in site
         assert f"proxy_ssl_name {FLEET_TLS_NAME}" in files["gateway.conf"]["content"]
 
     return pulumi.Output.all(f.gateway.step.id, f.gateway.endpoint).apply(check)
