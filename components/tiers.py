@@ -130,13 +130,15 @@ TIERS: dict[str, Tier] = {
              gpu_memory_utilization=0.92, runtime="docker", start_timeout_s=1800,
              sla={"ttftP50Ms": 100, "ttftP95Ms": 200, "ttftP99Ms": 350, "minDecodeTokensPerS": 45}),
         # The emulated test VM (QEMU TCG): AVX2 only, float32, tiny random model; slow by nature.
-        # Its TTFT moves 2x with the host's load (p50 2.3-4.1 s, max up to 6.1 s, measured in the
-        # e2e beside the integration tests), so its limits leave that much room; the gate itself
-        # is what the VM tests (an impossible SLA must fail `up`).
+        # Its TTFT moves 2x with the host's load and 1.5x with the host's CPU: p50 2.3-4.1 s, max
+        # 6.1 s on one machine; on a slower one the fleet's check, both VMs computing at once on
+        # 2 host cores, p50 6.0-10.1 s and max 13.6 s. The limits leave that much room again, and
+        # stay under the probe's 30 s read timeout. The gate itself is what the VM tests (an
+        # impossible SLA must fail `up`), not the VM's speed.
         Tier("local-vm", "cpu", "tiny-qwen2-fim", "fp32", 2, 8, 5, ("avx2",), max_steal_percent=100.0,
              max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=1024, kv_cache_gib=1, dtype="float32",
              start_timeout_s=1500, test_only=True,
-             sla={"ttftP50Ms": 8000, "ttftP95Ms": 12000, "ttftP99Ms": 15000, "minDecodeTokensPerS": 1,
+             sla={"ttftP50Ms": 15000, "ttftP95Ms": 22000, "ttftP99Ms": 25000, "minDecodeTokensPerS": 0.5,
                   "samples": 4, "warmup": 1, "maxTokens": 8},
              # A probe round and its textfile export cost about 3 s of a host core under emulation:
              # every 5 s they kept an idle VM at 80 % of a core (40 % without them, 60 % every 15 s),
