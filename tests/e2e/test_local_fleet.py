@@ -12,9 +12,8 @@ engine change does, without the engine's restart (3-4 minutes per node under emu
 `.ci/run` cannot afford twice more). A roll with real engine restarts is measured natively by
 benchmarks/roll_capacity.py; the local-docker e2e rolls a real engine restart on one VM.
 
-In `./fimfleet test`'s default run: about 12 minutes warm (699 s on 2026-12-05 14:10), 18
-on a host 1.5x slower (1078 s on 2026-12-06), where a warm `.ci/run` goes over its 45-minute
-limit (README, CI time). Alone:
+In `./fimfleet test`'s default run: about 10-12 minutes warm (699 s on 2026-12-05 14:10; on
+2026-12-06 a warm `.ci/run` with it took 39.5 min, under its 45-minute limit). Alone:
 `./fimfleet test -m fleet tests/e2e/test_local_fleet.py`.
 """
 
