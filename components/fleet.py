@@ -67,7 +67,11 @@ def rollout_gate(gate: pulumi.Input[list]) -> pulumi.Output:
     on them is recorded: one node needs nothing of another, the order is only the rollout's.
     Recorded, it would make `destroy` take the nodes down one after another, in reverse rollout
     order, and every later node a dependent of the canary (`destroy --target`)."""
-    waited = _registered(gate)
+    return _held(_registered(gate))
+
+
+def _held(waited: pulumi.Output) -> pulumi.Output:
+    """An empty list known once `waited` is, with none of its resources as dependencies."""
     return pulumi.Output(set(), waited.apply(lambda _: []).future(), waited.is_known())
 
 
@@ -119,8 +123,9 @@ class Fleet(pulumi.ComponentResource):
     def _gate(self, name: str, kind: str, gate: pulumi.Input[list]) -> pulumi.Output:
         """rollout_gate(gate), with the names it waits for kept in self.gates: the order is in no
         dependency of the state, so this is where it can be read (the unit tests do)."""
-        self.gates[(name, kind)] = _registered(gate).apply(lambda urns: {u.split("::")[-1] for u in urns})
-        return rollout_gate(gate)
+        waited = _registered(gate)
+        self.gates[(name, kind)] = waited.apply(lambda urns: {u.split("::")[-1] for u in urns})
+        return _held(waited)
 
     def _host(self, name: str, args: FleetArgs, gate: pulumi.Input[list]) -> HostBase:
         if name not in self.hosts:
