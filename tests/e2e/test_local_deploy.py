@@ -374,6 +374,7 @@ def _kill_session(sid: int) -> None:
     """SIGKILL every live process of session `sid`, as a crashed CI job or a closed terminal takes
     them all. The CLI starts each plugin in a process group of its own (setpgid), so killing the
     CLI, or its group, would orphan its language host and dynamic provider beyond the test run."""
+    deadline = time.monotonic() + 30
     while True:
         pids = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -385,6 +386,7 @@ def _kill_session(sid: int) -> None:
                 pids.append(int(stat.parent.name))
         if not pids:
             return
+        assert time.monotonic() < deadline, f"processes of session {sid} outlived SIGKILL for 30 s: {pids}"
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
