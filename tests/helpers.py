@@ -1,4 +1,5 @@
-"""Shared test data: valid stack configs to start from, a throwaway SSH key, the image build module."""
+"""Shared test data: valid stack configs to start from, a throwaway SSH key, the image build module,
+and a session kill for a crashed CLI."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import copy
 import functools
 import importlib.util
 import json
+import os
+import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 API_KEY = "k" * 8 + "0123456789abcdef0123456789"
@@ -121,3 +125,27 @@ def fake_testbed(state: Path) -> Path:
                                                          "host_key": host_key()},
                                                  "ports": {"22": 1, "443": 2}}))
     return state
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every live process of session `sid`, as a CI runner that stops a job takes them all. The CLI starts each plugin in a process group of its own (setpgid), so killing the
+    CLI, or its group, would orphan its language host and dynamic provider beyond the test run."""
+    deadline = time.monotonic() + 30
+    while True:
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                state, _ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            if int(session) == sid and state != "Z":
+                pids.append(int(stat.parent.name))
+        if not pids:
+            return
+        assert time.monotonic() < deadline, f"processes of session {sid} outlived SIGKILL for 30 s: {pids}"
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)

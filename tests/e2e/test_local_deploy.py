@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import re
 import shlex
-import signal
 import ssl
 import subprocess
 import time
@@ -31,6 +29,7 @@ from components import kernel
 from scripts import local_deploy as ld
 from tests.e2e.local_stack import (Node, assert_sla_missed, client, docker_snapshot_beside, keys, live, one_completion,
                                    selected, set_impossible_sla, shown)
+from tests.helpers import kill_session
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
@@ -370,31 +369,6 @@ def test_07b_changed_host_key_is_refused_with_the_fix(node):
     assert not re.search(r"node-(kernel|runtime|ingress|monitor)\S* +updated", proc.stdout), shown(proc)
 
 
-def _kill_session(sid: int) -> None:
-    """SIGKILL every live process of session `sid`, as a crashed CI job or a closed terminal takes
-    them all. The CLI starts each plugin in a process group of its own (setpgid), so killing the
-    CLI, or its group, would orphan its language host and dynamic provider beyond the test run."""
-    deadline = time.monotonic() + 30
-    while True:
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                state, _ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            if int(session) == sid and state != "Z":
-                pids.append(int(stat.parent.name))
-        if not pids:
-            return
-        assert time.monotonic() < deadline, f"processes of session {sid} outlived SIGKILL for 30 s: {pids}"
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-
-
 def test_07c_a_killed_up_leaves_a_lock_that_the_demo_clears(node):
     node.pulumi("config", "set", "--path", "fimfleet:monitor.intervalS", "20", check=True)
     argv = [str(ld.ROOT / "fimfleet"), "pulumi", "up", "--yes", "--skip-preview", "-s", "local", "--non-interactive",
@@ -406,7 +380,7 @@ def test_07c_a_killed_up_leaves_a_lock_that_the_demo_clears(node):
     while not list(locks.glob("**/local/*.json")) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2)  # mid-step: the monitor step is being applied
-    _kill_session(cli.pid)
+    kill_session(cli.pid)
     cli.wait()
     assert list(locks.glob("**/local/*.json")), "the killed CLI left no lock (it finished too early?)"
     assert ld.clear_stale_lock() is True
