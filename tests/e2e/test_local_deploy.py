@@ -27,6 +27,7 @@ import pytest
 from components import config as fconfig
 from components import kernel
 from scripts import local_deploy as ld
+from scripts import local_fleet
 from tests.e2e.local_stack import (Node, assert_sla_missed, client, docker_snapshot_beside, keys, live, one_completion,
                                    selected, set_impossible_sla, shown)
 from tests.helpers import kill_session
@@ -66,6 +67,13 @@ def node(tmp_path_factory, request):
         beside = None
         if selected(request, "test_local_docker.py") and not ld.serving_snapshot_cached(n.config_file, n.wheelhouse):
             beside = docker_snapshot_beside(n.tmp / "docker-beside", paths)
+        second = local_fleet.NODES[1]
+        if selected(request, "test_local_fleet.py") and not ld.serving_snapshot_cached(n.config_file, n.wheelhouse,
+                                                                                         node=second):
+            # A fresh machine: the fleet e2e's second node's snapshot too, after this one's and while the
+            # docker chain still builds, not alone in the fleet's setup (432 s there, about 80 min in).
+            ld.serving_snapshot(n.config_file, n.wheelhouse)
+            ld.serving_snapshot(n.config_file, n.wheelhouse, node=second)
         # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
         # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
         # build (whenever the runtime changes) and in the integration tests against real vLLM.

@@ -94,7 +94,8 @@ def fleet(tmp_path_factory, request):
     try:
         with live(request):
             paths = ld.prepare()
-            # Both VMs from serving snapshots (node2's is built once, the first time): `up` adopts both engines.
+            # Both VMs from serving snapshots (node2's built in the local e2e's setup, or here the first
+            # time): `up` adopts both engines.
             local_fleet.start(f.tmp, f.config_file, paths, serving=True)
         f.first_up = f.pulumi("up", "--yes", "--skip-preview")
         f.destroyed = False
