@@ -127,19 +127,23 @@ def fake_testbed(state: Path) -> Path:
     return state
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, pgrp, session, ...); None
+    once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def kill_session(sid: int) -> None:
-    """SIGKILL every live process of session `sid`, as a CI runner that stops a job takes them all. The CLI starts each plugin in a process group of its own (setpgid), so killing the
-    CLI, or its group, would orphan its language host and dynamic provider beyond the test run."""
+    """SIGKILL every live process of session `sid`, as a CI runner that stops a job takes them all.
+    The CLI starts each plugin in a process group of its own (setpgid), so killing the CLI, or its
+    group, would orphan its language host and dynamic provider beyond the test run."""
     deadline = time.monotonic() + 30
     while True:
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                state, _ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            if int(session) == sid and state != "Z":
-                pids.append(int(stat.parent.name))
+        pids = [int(d.name) for d in Path("/proc").glob("[0-9]*")
+                if (f := proc_stat(d.name)) and f[3] == str(sid) and f[0] != "Z"]
         if not pids:
             return
         assert time.monotonic() < deadline, f"processes of session {sid} outlived SIGKILL for 30 s: {pids}"

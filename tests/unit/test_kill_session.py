@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from tests import helpers
 
@@ -21,10 +20,8 @@ time.sleep(300)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    fields = helpers.proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def test_every_process_of_the_session_is_killed_its_own_process_groups_too():
