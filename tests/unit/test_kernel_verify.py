@@ -1,0 +1,84 @@
+"""The kernel step's verify script, run by bash against this machine's live values (read only:
+nothing here tunes the kernel it runs on). It is the `check` of every refresh, so a value it
+misreads is drift that never ends, and a mismatch it misses is drift never repaired."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from components import kernel, templates
+
+THP = "/sys/kernel/mm/transparent_hugepage/"
+
+
+def live_sysctl() -> dict[str, str]:
+    """The tuned names with the values this machine has, as `sysctl -n` shows them, normalized."""
+    return {k: " ".join(Path("/proc/sys", k.replace(".", "/")).read_text().split())
+            for k in kernel.tuned_sysctl(kernel.KernelArgs())}
+
+
+def live_sysfs() -> dict[str, str]:
+    out = {}
+    for f in ("enabled", "defrag", "khugepaged/defrag"):
+        text = Path(THP, f).read_text().strip()
+        m = re.search(r"\[(.*?)\]", text)
+        out[THP + f] = m.group(1) if m else text
+    return out
+
+
+def verify(sysctl: dict, sysfs: dict, limits_path: Path) -> subprocess.CompletedProcess:
+    script = templates.render("kernel/verify.sh.j2", sysctl=sysctl, sysfs=sysfs, limits=kernel.LIMITS,
+                              limits_path=str(limits_path))
+    # the unit lookup needs the host's systemd; everything else is read as on a node
+    script = script.replace("systemctl is-enabled -q fimfleet-tuning.service", "true")
+    return subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def limits(tmp_path) -> Path:
+    path = tmp_path / "90-fimfleet.conf"
+    path.write_text(templates.render("kernel/limits.conf.j2", limits=kernel.LIMITS))
+    return path
+
+
+def test_live_values_pass(limits):
+    proc = verify(live_sysctl(), live_sysfs(), limits)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_every_mismatch_is_named_and_nothing_else(limits, tmp_path):
+    sysctl = live_sysctl()
+    rmem = sysctl["net.ipv4.tcp_rmem"]
+    sysctl.update({"vm.swappiness": "7" if sysctl["vm.swappiness"] != "7" else "8",
+                   "net.ipv4.tcp_rmem": "1 2 3", "no.such.key": "1"})
+    sysfs = live_sysfs()
+    sysfs[THP + "enabled"] = "never" if sysfs[THP + "enabled"] != "never" else "always"
+    limits.write_text(limits.read_text().replace("hard    nofile", "soft    nofile"))  # the hard line is gone
+    proc = verify(sysctl, sysfs, limits)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert lines == [
+        f"sysctl vm.swappiness: wanted '{sysctl['vm.swappiness']}', live '{live_sysctl()['vm.swappiness']}'",
+        f"sysctl net.ipv4.tcp_rmem: wanted '1 2 3', live '{rmem}'",  # tabs on /proc read as single spaces
+        "sysctl no.such.key: wanted '1', live ''",
+        f"{THP}enabled: wanted '{sysfs[THP + 'enabled']}', live '{live_sysfs()[THP + 'enabled']}'",
+        f"limits nofile: wanted {kernel.LIMITS['nofile']} in {limits}",
+    ], proc.stderr
+
+
+def test_a_missing_limits_file_names_each_limit(tmp_path):
+    proc = verify(live_sysctl(), live_sysfs(), tmp_path / "absent.conf")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [f"limits {k}: wanted {v} in {tmp_path / 'absent.conf'}"
+                                        for k, v in kernel.LIMITS.items()], proc.stderr
+
+
+def test_the_script_forks_only_for_the_unit_lookup():
+    """Why it exists in this shape: the check runs on every refresh under emulation."""
+    script = kernel.render(kernel.KernelArgs()).check
+    body = "\n".join(l for l in script.splitlines() if not l.lstrip().startswith("#"))
+    assert "$(" not in body and not re.search(r"[^|]\|[^|]", body) and "sysctl -n" not in body, body
