@@ -14,6 +14,7 @@ import hashlib
 import io
 import shlex
 import socket
+import stat
 import sys
 import threading
 import time
@@ -307,14 +308,34 @@ def run(client, script: str, *, timeout_s: float = 1800, env: dict[str, str] | N
     return code, out.getvalue().decode(errors="replace"), err.getvalue().decode(errors="replace")
 
 
+def _is_dir(sftp, path: str) -> bool:
+    try:
+        return stat.S_ISDIR(sftp.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def sftp_makedirs(sftp, path: str) -> None:
+    """`mkdir -p` over SFTP: a shell for it costs about 0.3 s on an emulated host, a stat 20 ms.
+    A directory that another step made meanwhile is no error."""
+    if _is_dir(sftp, path):
+        return
+    parent = path.rsplit("/", 1)[0]
+    if parent:
+        sftp_makedirs(sftp, parent)
+    try:
+        sftp.mkdir(path)
+    except OSError as e:
+        if not _is_dir(sftp, path):
+            raise Error(f"mkdir {path}: {e}") from None
+
+
 def put_files(client, files: list[dict]) -> None:
     """Atomically write files (tmp + rename) with their modes; parent directories are created."""
-    parents = sorted({f["path"].rsplit("/", 1)[0] or "/" for f in files})
-    code, _, err = run(client, "mkdir -p -- " + " ".join(shlex.quote(p) for p in parents))
-    if code:
-        raise Error(f"mkdir {' '.join(parents)}: {err}")
     sftp = client.open_sftp()
     try:
+        for parent in sorted({f["path"].rsplit("/", 1)[0] or "/" for f in files}):
+            sftp_makedirs(sftp, parent)
         for f in files:
             path, mode = f["path"], int(str(f.get("mode", "0644")), 8)
             tmp = f"{path}.fimfleet-{uuid.uuid4().hex[:8]}"

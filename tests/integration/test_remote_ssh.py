@@ -166,6 +166,38 @@ def test_a_failed_step_names_itself_and_the_host_without_progress_noise(sshd):
     assert "no space left" in str(err.value) and "still going" not in str(err.value)
 
 
+def test_an_apply_that_exits_early_is_marked_and_a_failed_one_is_not(sshd):
+    """The marker is written in the apply's own shell (after a subshell that holds the script),
+    so an `exit 0` half-way still counts as applied, and a failure leaves no marker."""
+    ident = first_contact(sshd)
+    conn = pinned(sshd, ident)
+    p = remote.RemoteStepProvider()
+    early = p.create(step(conn, apply="echo done-early; exit 0\necho never", check="true"))
+    assert early.outs["stdout"].strip() == "done-early"
+    marker = sshd.varlib / "fimfleet" / "steps" / early.id
+    assert marker.read_text() == early.outs["appliedDigest"]
+    assert p.read(early.id, early.outs).outs["appliedDigest"] == early.outs["appliedDigest"]
+    with pytest.raises(remote.Error, match="exit 4"):
+        p.create(step(conn, apply="false || exit 4", label="failing"))
+    with pytest.raises(remote.Error, match="exit 1"):
+        p.create(step(conn, apply="false\necho not reached", label="failing under set -e"))
+    assert sorted(m.name for m in marker.parent.iterdir()) == [early.id]
+
+
+def test_files_land_in_new_nested_directories_made_over_sftp(sshd):
+    ident = first_contact(sshd)
+    files = [{"path": "/var/lib/fimfleet/a/b/c/one.conf", "mode": "0600", "content": "one\n"},
+             {"path": "/var/lib/fimfleet/a/b/two.conf", "mode": "0644", "content": "two\n"}]
+    out = remote.RemoteStepProvider().create(step(pinned(sshd, ident), files=files,
+                                                  apply="stat -c '%a %n' /var/lib/fimfleet/a/b/c/one.conf"))
+    assert out.outs["stdout"].strip() == "600 /var/lib/fimfleet/a/b/c/one.conf"
+    assert (sshd.varlib / "fimfleet/a/b/c/one.conf").read_text() == "one\n"
+    assert (sshd.varlib / "fimfleet/a/b/two.conf").read_text() == "two\n"
+    with pytest.raises(remote.Error, match="mkdir /var/lib/fimfleet/a/b/two.conf"):
+        remote.RemoteStepProvider().create(step(pinned(sshd, ident), files=[
+            {"path": "/var/lib/fimfleet/a/b/two.conf/x", "mode": "0644", "content": ""}]))
+
+
 def client_ports(sshd: Sshd) -> list[int]:
     """Local ports of this machine's open connections to the server."""
     out = subprocess.run(["ss", "-Htn", "state", "established", f"( dport = :{sshd.port} )"], capture_output=True,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components import config, grammar, host, kernel, monitor, nginx_base, runtime, watchdog
+from components import config, grammar, host, kernel, monitor, nginx_base, remote, runtime, watchdog
 from components.ingress import args_for as ingress_args
 from components.ingress import render_files as ingress_files
 from components.ingress import step_scripts as ingress_scripts
@@ -118,6 +118,9 @@ def test_scripts_pass_bash_n_and_shellcheck(tier, tmp_path):
         path.write_text("#!/bin/bash\nset -euo pipefail\n" + body if not body.startswith("#!") else body)
         syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert syntax.returncode == 0, f"{name}: {syntax.stderr}"
+        # an apply runs inside a subshell, its marker after it (remote._then_mark): that parses too
+        wrapped = subprocess.run(["bash", "-n"], input=remote._then_mark(body, "id", "digest"), capture_output=True, text=True)
+        assert wrapped.returncode == 0, f"{name} as an apply: {wrapped.stderr}"
         lint = subprocess.run(["shellcheck", "-S", "warning", "-s", "bash", str(path)], capture_output=True, text=True)
         assert lint.returncode == 0, f"{name}:\n{lint.stdout}"
 
