@@ -3,12 +3,14 @@
 
   A. as before components/ssh.py shared connections: each step opens its own connection
      (handshake, login), runs one mkdir per file it uploads, its script and its marker;
-  B. as now: RemoteStepProvider.create, whose steps on one host share one connection and
-     run one mkdir for all their files.
+  B. as before 2026-12-06: steps on one host share one connection, but each apply still
+     starts three shells: one mkdir for all its files, its script, its marker;
+  C. as now: RemoteStepProvider.create, one shell per apply (directories made over SFTP,
+     the marker written after the script in the same shell).
 
 Every step has the shape of a typical fimfleet step: 4 files in 3 directories, a one-line
-script, the marker. Rounds alternate A and B on one VM restored from the booted snapshot;
-the per-step medians and their ratio go to benchmarks/results/ssh_steps.json.
+script, the marker. Rounds rotate the legs' order on one VM restored from the booted
+snapshot; the per-step medians and their ratios go to benchmarks/results/ssh_steps.json.
 
     .venv/bin/python benchmarks/ssh_steps.py [--steps 10] [--rounds 3]
 """
@@ -50,6 +52,23 @@ def step_as_before(conn: dict, i: int) -> None:
         assert code == 0, err
 
 
+def step_three_shells(conn: dict, i: int) -> None:
+    """RemoteStepProvider._exec before 2026-12-06: the shared connection, three shells."""
+    with ssh.shared_session(ssh.SshTarget.from_props(conn)) as client:
+        code, _, err = ssh.run(client, "mkdir -p -- " + " ".join(map(shlex.quote, ssh.parents(files(i)))))
+        assert code == 0, err
+        sftp = client.open_sftp()
+        try:
+            ssh.write_files(sftp, files(i))
+        finally:
+            sftp.close()
+        code, _, err = ssh.run(client, f"cat /etc/fimfleet/bench/*/f{i}-* >/dev/null; echo {i}")
+        assert code == 0, err
+        code, _, err = ssh.run(client, f"mkdir -p {remote.MARKER_DIR} && printf %s x > "
+                                       f"{shlex.quote(remote.MARKER_DIR)}/bench-{i}")
+        assert code == 0, err
+
+
 def step_as_now(conn: dict, i: int) -> None:
     remote.RemoteStepProvider().create({
         "connection": conn, "apply": f"cat /etc/fimfleet/bench/*/f{i}-* >/dev/null; echo {i}", "check": "",
@@ -76,21 +95,25 @@ def main() -> int:
     ld.start_vm(state, paths["wheelhouse"])
     try:
         conn = host.testbed_connection(str(state))
-        before: list[float] = []
-        now: list[float] = []
+        legs = {"before": step_as_before, "three_shells": step_three_shells, "now": step_as_now}
+        got: dict[str, list[float]] = {name: [] for name in legs}
         step_as_before(conn, 0)  # the guest's first login starts its user session: not part of either leg
+        names = list(legs)
         for r in range(a.rounds):
-            ssh.drop_shared()  # each round of B starts without a connection, as a new `pulumi up` does
-            for name, fn, acc in (("before", step_as_before, before), ("now", step_as_now, now))[::1 if r % 2 == 0 else -1]:
-                got = timed_steps(fn, conn, a.steps)
-                acc.extend(got)
-                ld.say(f"round {r + 1}: {name}: {statistics.median(got):.3f} s per step")
+            for name in names[r % 3:] + names[:r % 3]:
+                ssh.drop_shared()  # each leg of B and C starts without a connection, as a new `pulumi up` does
+                times = timed_steps(legs[name], conn, a.steps)
+                got[name].extend(times)
+                ld.say(f"round {r + 1}: {name}: {statistics.median(times):.3f} s per step")
+        med = {name: statistics.median(v) for name, v in got.items()}
         result = {
             "steps_per_round": a.steps, "rounds": a.rounds,
-            "per_step_s_before_median": round(statistics.median(before), 3),
-            "per_step_s_now_median": round(statistics.median(now), 3),
-            "ratio_now_over_before_median": round(statistics.median(now) / statistics.median(before), 3),
-            "per_step_s_before": [round(x, 3) for x in before], "per_step_s_now": [round(x, 3) for x in now],
+            "per_step_s_before_median": round(med["before"], 3),
+            "per_step_s_three_shells_median": round(med["three_shells"], 3),
+            "per_step_s_now_median": round(med["now"], 3),
+            "ratio_now_over_before_median": round(med["now"] / med["before"], 3),
+            "ratio_now_over_three_shells_median": round(med["now"] / med["three_shells"], 3),
+            **{f"per_step_s_{name}": [round(x, 3) for x in v] for name, v in got.items()},
             "where": "test VM (QEMU TCG) restored from the booted snapshot, on this machine",
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

@@ -330,19 +330,28 @@ def sftp_makedirs(sftp, path: str) -> None:
             raise Error(f"mkdir {path}: {e}") from None
 
 
+def parents(files: list[dict]) -> list[str]:
+    return sorted({f["path"].rsplit("/", 1)[0] or "/" for f in files})
+
+
+def write_files(sftp, files: list[dict]) -> None:
+    """Each file atomically (tmp + rename) with its mode, into directories that exist."""
+    for f in files:
+        path, mode = f["path"], int(str(f.get("mode", "0644")), 8)
+        tmp = f"{path}.fimfleet-{uuid.uuid4().hex[:8]}"
+        with sftp.open(tmp, "w") as fh:
+            sftp.chmod(tmp, mode)
+            fh.write(f["content"].encode())
+        sftp.posix_rename(tmp, path)
+
+
 def put_files(client, files: list[dict]) -> None:
-    """Atomically write files (tmp + rename) with their modes; parent directories are created."""
+    """Atomically write files with their modes; parent directories are created."""
     sftp = client.open_sftp()
     try:
-        for parent in sorted({f["path"].rsplit("/", 1)[0] or "/" for f in files}):
+        for parent in parents(files):
             sftp_makedirs(sftp, parent)
-        for f in files:
-            path, mode = f["path"], int(str(f.get("mode", "0644")), 8)
-            tmp = f"{path}.fimfleet-{uuid.uuid4().hex[:8]}"
-            with sftp.open(tmp, "w") as fh:
-                sftp.chmod(tmp, mode)
-                fh.write(f["content"].encode())
-            sftp.posix_rename(tmp, path)
+        write_files(sftp, files)
     finally:
         sftp.close()
 
