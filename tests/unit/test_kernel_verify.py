@@ -51,21 +51,19 @@ def test_live_values_pass(limits):
 
 
 def test_every_mismatch_is_named_and_nothing_else(limits, tmp_path):
-    sysctl = live_sysctl()
-    rmem = sysctl["net.ipv4.tcp_rmem"]
-    sysctl.update({"vm.swappiness": "7" if sysctl["vm.swappiness"] != "7" else "8",
-                   "net.ipv4.tcp_rmem": "1 2 3", "no.such.key": "1"})
-    sysfs = live_sysfs()
-    sysfs[THP + "enabled"] = "never" if sysfs[THP + "enabled"] != "never" else "always"
+    live, live_thp = live_sysctl(), live_sysfs()
+    sysctl = {**live, "vm.swappiness": "7" if live["vm.swappiness"] != "7" else "8",
+              "net.ipv4.tcp_rmem": "1 2 3", "no.such.key": "1"}
+    sysfs = {**live_thp, THP + "enabled": "never" if live_thp[THP + "enabled"] != "never" else "always"}
     limits.write_text(limits.read_text().replace("hard    nofile", "soft    nofile"))  # the hard line is gone
     proc = verify(sysctl, sysfs, limits)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert lines == [
-        f"sysctl vm.swappiness: wanted '{sysctl['vm.swappiness']}', live '{live_sysctl()['vm.swappiness']}'",
-        f"sysctl net.ipv4.tcp_rmem: wanted '1 2 3', live '{rmem}'",  # tabs on /proc read as single spaces
+        f"sysctl vm.swappiness: wanted '{sysctl['vm.swappiness']}', live '{live['vm.swappiness']}'",
+        f"sysctl net.ipv4.tcp_rmem: wanted '1 2 3', live '{live['net.ipv4.tcp_rmem']}'",  # tabs on /proc read as single spaces
         "sysctl no.such.key: wanted '1', live ''",
-        f"{THP}enabled: wanted '{sysfs[THP + 'enabled']}', live '{live_sysfs()[THP + 'enabled']}'",
+        f"{THP}enabled: wanted '{sysfs[THP + 'enabled']}', live '{live_thp[THP + 'enabled']}'",
         f"limits nofile: wanted {kernel.LIMITS['nofile']} in {limits}",
     ], proc.stderr
 
