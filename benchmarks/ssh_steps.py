@@ -40,33 +40,37 @@ def files(i: int) -> list[dict]:
             for n, d in enumerate(("a", "a", "b", "c"))]
 
 
+def upload_as_before(client, fs: list[dict]) -> None:
+    """The upload before 2026-12-06: a shell for `mkdir -p` of the parents, then SFTP."""
+    code, _, err = ssh.run(client, "mkdir -p -- " + " ".join(map(shlex.quote, ssh.parents(fs))))
+    assert code == 0, err
+    sftp = client.open_sftp()
+    try:
+        ssh.write_files(sftp, fs)
+    finally:
+        sftp.close()
+
+
+def script_then_marker(client, i: int) -> None:
+    """The script and the marker in shells of their own, as both older legs ran them."""
+    for script in (f"cat /etc/fimfleet/bench/*/f{i}-* >/dev/null; echo {i}", remote._mark_command(f"bench-{i}", "x")):
+        code, _, err = ssh.run(client, script)
+        assert code == 0, err
+
+
 def step_as_before(conn: dict, i: int) -> None:
     """The old RemoteStepProvider._exec: its own session, a mkdir per file, script, marker."""
     with ssh.session(ssh.SshTarget.from_props(conn)) as client:
         for f in files(i):
-            ssh.put_files(client, [f])  # one file at a time: one mkdir each, as before
-        code, _, err = ssh.run(client, f"cat /etc/fimfleet/bench/*/f{i}-* >/dev/null; echo {i}")
-        assert code == 0, err
-        code, _, err = ssh.run(client, f"mkdir -p {remote.MARKER_DIR} && printf %s x > "
-                                       f"{shlex.quote(remote.MARKER_DIR)}/bench-{i}")
-        assert code == 0, err
+            upload_as_before(client, [f])  # one file at a time: one mkdir each, as before
+        script_then_marker(client, i)
 
 
 def step_three_shells(conn: dict, i: int) -> None:
     """RemoteStepProvider._exec before 2026-12-06: the shared connection, three shells."""
     with ssh.shared_session(ssh.SshTarget.from_props(conn)) as client:
-        code, _, err = ssh.run(client, "mkdir -p -- " + " ".join(map(shlex.quote, ssh.parents(files(i)))))
-        assert code == 0, err
-        sftp = client.open_sftp()
-        try:
-            ssh.write_files(sftp, files(i))
-        finally:
-            sftp.close()
-        code, _, err = ssh.run(client, f"cat /etc/fimfleet/bench/*/f{i}-* >/dev/null; echo {i}")
-        assert code == 0, err
-        code, _, err = ssh.run(client, f"mkdir -p {remote.MARKER_DIR} && printf %s x > "
-                                       f"{shlex.quote(remote.MARKER_DIR)}/bench-{i}")
-        assert code == 0, err
+        upload_as_before(client, files(i))
+        script_then_marker(client, i)
 
 
 def step_as_now(conn: dict, i: int) -> None:
