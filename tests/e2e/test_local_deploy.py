@@ -294,6 +294,9 @@ def test_04b_prometheus_scrapes_the_node_and_records_its_ttft(node):
     code, listening, _ = node.ssh("ss -Htln | awk '{print $4}'")
     assert code == 0 and {"127.0.0.1:9090", "127.0.0.1:9100"} <= set(listening.split()), listening
     assert not re.search(r"(^|\s)(0\.0\.0\.0|\*|\[::\]):(9090|9100)\b", listening), listening
+    # enabled for the next boot too, by the native units (fimfleet skips the SysV helper)
+    code, enabled, err = node.ssh("systemctl is-enabled prometheus prometheus-node-exporter nginx")
+    assert code == 0 and enabled.split() == ["enabled"] * 3, (enabled, err)
 
 
 def _ssh_logins(node) -> int:
