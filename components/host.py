@@ -29,7 +29,9 @@ def packages(cfg: StackConfig) -> list[str]:
     """Debian packages the node needs for its runtime kind."""
     base = ["nginx", "openssl", "curl", "ca-certificates", "numactl", "libnuma1", "jq"]
     allocator = ALLOCATOR_PACKAGES[cfg.runtime.allocator]
-    runtime = ["docker.io", "apparmor"] if cfg.runtime.kind == "docker" else ["python3-venv", "python3-pip"]
+    # the venv's own pip comes from python3-venv (ensurepip); Debian's python3-pip would add four
+    # packages that nothing runs
+    runtime = ["docker.io", "apparmor"] if cfg.runtime.kind == "docker" else ["python3-venv"]
     return base + allocator + runtime
 
 
