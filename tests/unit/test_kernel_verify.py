@@ -80,3 +80,19 @@ def test_the_script_forks_only_for_the_unit_lookup():
     script = kernel.render(kernel.KernelArgs()).check
     body = "\n".join(l for l in script.splitlines() if not l.lstrip().startswith("#"))
     assert "$(" not in body and not re.search(r"[^|]\|[^|]", body) and "sysctl -n" not in body, body
+
+
+def test_the_defaults_apply_records_are_what_sysctl_and_the_sysfs_choice_show():
+    """apply.sh records the distribution defaults with the same readers the check compares with
+    (files/kernel/live.sh.j2), so destroy restores exactly what a later check calls live."""
+    keys, paths = sorted(live_sysctl()), sorted(live_sysfs())
+    script = templates.render("kernel/live.sh.j2") + "".join(
+        [f'live_sysctl {k}; echo "$live"\n' for k in keys] + [f'live_sysfs {p}; echo "$live"\n' for p in paths])
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    # the reference tools, as the recording ran them before: `sysctl -n` and the sed of the choice
+    want = [subprocess.run(["sysctl", "-n", k], capture_output=True, text=True).stdout.strip().replace("\t", " ")
+            for k in keys]
+    want += [subprocess.run(["sed", "-n", r"s/.*\[\(.*\)\].*/\1/p;t;p", p], capture_output=True, text=True).stdout
+             .splitlines()[0] for p in paths]
+    assert proc.stdout.splitlines() == want
