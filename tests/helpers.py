@@ -153,3 +153,29 @@ def kill_session(sid: int) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.1)
+
+
+class ForkLog:
+    """A PATH holding only `tools` (each logs its name, then runs the real one) and a bash that logs
+    any other command it looks up, for scripts that must fork only where they say they do."""
+
+    def __init__(self, tmp: Path, tools: dict[str, str | None]):
+        """tools: name -> the wrapper's body after logging (None: exec the real tool)."""
+        import shutil
+
+        self.log = tmp / "forks.log"
+        self.bin = tmp / "fork-bin"
+        self.bin.mkdir()
+        for name, body in tools.items():
+            wrapper = self.bin / name
+            wrapper.write_text(f"#!/bin/bash\necho {name} >> {self.log}\n"
+                               + (body if body is not None else f'exec {shutil.which(name)} "$@"\n'))
+            wrapper.chmod(0o755)
+        self.env = {"PATH": str(self.bin),
+                    "BASH_FUNC_command_not_found_handle%%": f'() {{ echo "$1" >> {self.log}; return 127; }}'}
+
+    def take(self) -> list[str]:
+        """The commands logged since the last take."""
+        names = self.log.read_text().split() if self.log.exists() else []
+        self.log.unlink(missing_ok=True)
+        return names

@@ -9,12 +9,16 @@ set -euo pipefail
 # shellcheck disable=SC1090
 source "$1"
 # The request in the model's FIM format, rendered by components/monitor.py from the model spec;
-# a fresh nonce each round, so the probe never rides the prefix cache.
-body=${PROBE_BODY//@NONCE@/$(date +%s%N)}
+# a fresh nonce each round (the clock in microseconds), so the probe never rides the prefix cache.
+body=${PROBE_BODY//@NONCE@/${EPOCHREALTIME/./}}
+# An unreadable key file sends no key: the ingress's 401 reports it (exit 3), no restart does.
+key=
+{ IFS= read -r key < "$PROBE_KEY_FILE"; } 2>/dev/null || true
 rc=0
+# The key goes to curl on stdin (`-H @-`), never in its argv, which every local user can read.
 out=$(curl -sS -m "$PROBE_TIMEOUT_S" --cacert "$PROBE_CA" -w '\n%{http_code}' \
-  -H "Authorization: Bearer $(cat "$PROBE_KEY_FILE")" -H 'Content-Type: application/json' \
-  -d "$body" "$PROBE_URL/v1/completions") || rc=$?
+  -H @- -H 'Content-Type: application/json' \
+  -d "$body" "$PROBE_URL/v1/completions" <<< "Authorization: Bearer $key") || rc=$?
 status=${out##*$'\n'}; out=${out%$'\n'*}
 [ "$rc" -eq 0 ] || { echo "probe failed: curl exit $rc, no answer within ${PROBE_TIMEOUT_S}s" >&2; exit 1; }
 case "$status" in

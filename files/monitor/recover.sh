@@ -16,9 +16,13 @@ set -uo pipefail
 # shellcheck disable=SC1090
 source "$1"
 state=${STATE_DIR:-/run/fimfleet/monitor-${ENGINE_UNIT%.service}}
-mkdir -p "$state"
+[ -d "$state" ] || mkdir -p "$state"
 log() { echo "$*"; logger -t fimfleet-monitor -- "$ENGINE_UNIT: $*" 2>/dev/null || true; }
-failures=$(cat "$state/failures" 2>/dev/null || echo 0)
+# A healthy round runs every few seconds for the engine's whole life, so it forks only for the
+# probe and /metrics: state is read with `read`, the clock with printf's %(%s)T.
+failures=0
+{ read -r failures < "$state/failures"; } 2>/dev/null || true
+[[ $failures =~ ^[0-9]+$ ]] || failures=0
 
 # What the engine core last reported through its own /metrics (loopback, no key): token
 # counters, KV cache use and request gauges. They change only when the engine finishes a
@@ -29,18 +33,19 @@ engine_sample() {
       s = s $NF " " } END { printf "%s", s }'
 }
 
-rc=0; "$(dirname "$0")/fim-probe.sh" "$1" 2>"$state/last-error" || rc=$?
+rc=0; "${0%/*}/fim-probe.sh" "$1" 2>"$state/last-error" || rc=$?
 sample=$(engine_sample || true)
-prev=$(cat "$state/engine-sample" 2>/dev/null || true)
+prev=''
+{ IFS= read -r prev < "$state/engine-sample"; } 2>/dev/null || true
 # Keep the last real reading when /metrics did not answer: the next round compares against it,
 # not against nothing (which would look like movement).
 [ -n "$sample" ] && printf '%s' "$sample" > "$state/engine-sample"
-now=$(date +%s)
+printf -v now '%(%s)T' -1
 [ -s "$state/progress-at" ] || echo "$now" > "$state/progress-at"
 if [ "$rc" -eq 0 ]; then
   [ "$failures" -gt 0 ] && log "probe ok again after $failures failure(s)"
-  echo 0 > "$state/failures"; echo "$now ok" > "$state/last"; echo "$now" | tee "$state/progress-at" > "$state/ok-at"
-  rm -f "$state/restarted-at" "$state/stage"
+  echo 0 > "$state/failures"; echo "$now ok" > "$state/last"; echo "$now" > "$state/progress-at"; echo "$now" > "$state/ok-at"
+  if [ -e "$state/restarted-at" ] || [ -e "$state/stage" ]; then rm -f "$state/restarted-at" "$state/stage"; fi
   exit 0
 fi
 # The ingress rejected the probe's key (401/403): a configuration error that no restart

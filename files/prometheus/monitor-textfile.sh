@@ -15,11 +15,14 @@
 #                                        CERTIFICATES="node=certificate file ...",
 #                                        START_STAMPS="unit=start.sh's stamp file ...")
 # Output: $TEXTFILE_DIR/fimfleet_monitor.prom, replaced atomically.
+# It runs every few seconds for the node's whole life, so a round forks once (the final mv): state
+# is read with `read`, and a certificate's end is read with openssl only when its file changed.
 set -euo pipefail
 # shellcheck disable=SC1090
 source "$1"
 THP_DIR=${THP_DIR:-/sys/kernel/mm/transparent_hugepage}
-mkdir -p "$STATE_DIR" "$TEXTFILE_DIR"
+[[ -d $STATE_DIR && -d $TEXTFILE_DIR ]] || mkdir -p "$STATE_DIR" "$TEXTFILE_DIR"
+umask 022
 
 declare -A family=() samples=()
 order=()
@@ -27,10 +30,15 @@ metric() { # NAME TYPE HELP: declares a family once, in output order
   order+=("$1"); family[$1]="# HELP $1 $3"$'\n'"# TYPE $1 $2"$'\n'
 }
 sample() { samples[$1]+="$1{$2} $3"$'\n'; }
-number() { # FILE DEFAULT: the file's first word if it is a whole number, else DEFAULT
-  local v
-  v=$(head -c 64 "$1" 2>/dev/null | awk 'NR==1{print $1}') || true
-  [[ $v =~ ^[0-9]+$ ]] && echo "$v" || echo "$2"
+number() { # FILE DEFAULT: n = the file's first word if it is a whole number, else DEFAULT
+  local v=
+  { read -r -n 64 v _ < "$1"; } 2>/dev/null || true
+  if [[ $v =~ ^[0-9]+$ ]]; then n=$v; else n=$2; fi
+}
+not_after() { # PATH: the certificate's notAfter in epoch seconds; nothing when unreadable
+  local end
+  end=$(openssl x509 -enddate -noout -in "$1" 2>/dev/null) || return 0
+  date -u -d "${end#notAfter=}" +%s 2>/dev/null || true
 }
 
 metric fimfleet_monitor_probe_ok gauge "1 if the last deep FIM probe got a completion, 0 if it failed or was rejected."
@@ -58,38 +66,50 @@ for pair in $MONITORS; do
   [[ $ts =~ ^[0-9]+$ ]] || ts=0
   stamp=${stamp_of[$unit]:-}
   if [ "$status" != none ]; then
-    sample fimfleet_monitor_probe_ok "$labels" "$([ "$status" = ok ] && echo 1 || echo 0)"
-    sample fimfleet_monitor_probe_busy "$labels" "$([ "$status" = busy ] && echo 1 || echo 0)"
-    sample fimfleet_monitor_engine_starting "$labels" "$([ "$status" = starting ] && echo 1 || echo 0)"
-    sample fimfleet_monitor_probe_rejected "$labels" "$([ "$status" = config-error ] && echo 1 || echo 0)"
+    ok=0 busy=0 starting=0 rejected=0
+    case $status in ok) ok=1 ;; busy) busy=1 ;; starting) starting=1 ;; config-error) rejected=1 ;; esac
+    sample fimfleet_monitor_probe_ok "$labels" "$ok"
+    sample fimfleet_monitor_probe_busy "$labels" "$busy"
+    sample fimfleet_monitor_engine_starting "$labels" "$starting"
+    sample fimfleet_monitor_probe_rejected "$labels" "$rejected"
   elif [ -n "$stamp" ] && [ ! -e "$stamp" ]; then
     sample fimfleet_monitor_engine_starting "$labels" 1
   fi
   sample fimfleet_monitor_last_probe_timestamp_seconds "$labels" "$ts"
-  sample fimfleet_monitor_consecutive_failures "$labels" "$(number "$dir/failures" 0)"
-  sample fimfleet_monitor_recovery_stage "$labels" "$(number "$dir/stage" 0)"
+  number "$dir/failures" 0; sample fimfleet_monitor_consecutive_failures "$labels" "$n"
+  number "$dir/stage" 0; sample fimfleet_monitor_recovery_stage "$labels" "$n"
   mine="$STATE_DIR/${unit%.service}"
-  restarted=$(number "$dir/restarted-at" 0)
-  count=$(number "$mine.restarts" 0)
-  if [ "$restarted" != 0 ] && [ "$restarted" != "$(number "$mine.last-restart" 0)" ]; then
-    count=$((count + 1))
+  number "$dir/restarted-at" 0; restarted=$n
+  number "$mine.restarts" 0; count=$n
+  number "$mine.last-restart" 0; last_restart=$n
+  if [ "$restarted" != 0 ] && [ "$restarted" != "$last_restart" ]; then
+    count=$((count + 1)) last_restart=$restarted
     echo "$count" > "$mine.restarts"
     echo "$restarted" > "$mine.last-restart"
   fi
   sample fimfleet_monitor_restarts_total "$labels" "$count"
-  sample fimfleet_monitor_last_restart_timestamp_seconds "$labels" "$(number "$mine.last-restart" 0)"
+  sample fimfleet_monitor_last_restart_timestamp_seconds "$labels" "$last_restart"
 done
 
 for pair in ${CERTIFICATES:-}; do
   node=${pair%%=*} path=${pair#*=}
-  end=$(openssl x509 -enddate -noout -in "$path" 2>/dev/null | sed -n 's/^notAfter=//p') || true
-  epoch=$(date -u -d "$end" +%s 2>/dev/null) || epoch=""
-  [[ -n $end && $epoch =~ ^[0-9]+$ ]] && sample fimfleet_tls_certificate_not_after_seconds "node=\"$node\",path=\"$path\"" "$epoch"
+  # What was read from the file, read again whenever the file is not older than that (a reissue rewrites it).
+  cache="$STATE_DIR/certificate-$node" epoch='' was=''
+  { read -r epoch was < "$cache"; } 2>/dev/null || true
+  if [[ ! -e $path ]]; then
+    epoch=''
+  elif [[ $was != "$path" || ! $cache -nt $path ]]; then
+    epoch=$(not_after "$path")
+    echo "$epoch $path" > "$cache"
+  fi
+  [[ $epoch =~ ^[0-9]+$ ]] && sample fimfleet_tls_certificate_not_after_seconds "node=\"$node\",path=\"$path\"" "$epoch"
 done
 
 for setting in enabled defrag; do
-  mode=$(sed -n 's/.*\[\([a-z_+]*\)\].*/\1/p' "$THP_DIR/$setting" 2>/dev/null || true)
-  [ -n "$mode" ] && sample fimfleet_thp_mode "setting=\"$setting\",mode=\"$mode\"" 1
+  # the bracketed word is the mode in force; only these characters may become a label value
+  line=''
+  { read -r line < "$THP_DIR/$setting"; } 2>/dev/null || true
+  [[ $line =~ \[([a-z_+]+)\] ]] && sample fimfleet_thp_mode "setting=\"$setting\",mode=\"${BASH_REMATCH[1]}\"" 1
 done
 
 out="$TEXTFILE_DIR/fimfleet_monitor.prom"
@@ -98,5 +118,4 @@ for name in "${order[@]}"; do
   # a family without samples is left out
   [ -z "${samples[$name]:-}" ] || printf '%s%s' "${family[$name]}" "${samples[$name]}"
 done > "$tmp"
-chmod 0644 "$tmp"
 mv -f "$tmp" "$out"

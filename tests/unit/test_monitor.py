@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from components import config, monitor, tiers
-from tests.helpers import TINY_CONFIG, raw_config
+from tests.helpers import TINY_CONFIG, ForkLog, raw_config
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 
@@ -128,3 +128,41 @@ def test_a_failure_of_an_engine_that_served_since_its_start_counts(tmp_path):
     ok_at = int(time.time()) - 60
     out, failures = grace_round(tmp_path, ok_at, ok_at - 3600)
     assert "start grace" not in out and "probe failed (1/2)" in out and failures == "1", out
+
+
+FAKE_CURL = """for a in "$@"; do [[ $a == */metrics ]] && { printf 'vllm:prompt_tokens_total{e="0"} 5\\nvllm:generation_tokens_total{e="0"} 7\\n'; exit 0; }; done
+printf '%s\\n' "$*" >> @ARGV@
+while IFS= read -r line; do printf '%s\\n' "$line" >> @STDIN@; done
+printf '{"choices": [{"text": "x"}]}\\n200'
+"""
+
+
+def test_a_healthy_round_forks_only_for_the_probe_and_metrics_and_keeps_the_key_out_of_argv(tmp_path):
+    """Why recover.sh and fim-probe.sh read state with builtins: a round runs every few seconds for
+    the engine's whole life. The probe key reaches curl on stdin: argv is readable by every local user."""
+    raw, secret = raw_config("cpu-epyc-prod")
+    cfg = config.parse(raw, secret)
+    env = next(f["content"] for f in monitor.render_files(monitor.args_for(cfg, "node"), "vllm-node.service", "k" * 32, "CA")
+               if f["path"].endswith(".env"))
+    root = Path(__file__).resolve().parents[2] / "files" / "monitor"
+    for name in ("recover.sh", "fim-probe.sh"):
+        (tmp_path / name).write_text((root / name).read_text())
+        (tmp_path / name).chmod(0o755)
+    state, key = tmp_path / "state", "probe-key-" + "z" * 22
+    state.mkdir()
+    (tmp_path / "probe.key").write_text(key + "\n")
+    (tmp_path / "monitor.env").write_text(env + f"STATE_DIR={state}\nPROBE_KEY_FILE={tmp_path / 'probe.key'}\n")
+    argv, stdin = tmp_path / "curl.argv", tmp_path / "curl.stdin"
+    forks = ForkLog(tmp_path, {"curl": FAKE_CURL.replace("@ARGV@", str(argv)).replace("@STDIN@", str(stdin)), "awk": None})
+    for _ in range(2):
+        before = time.time()
+        r = subprocess.run(["/bin/bash", str(tmp_path / "recover.sh"), str(tmp_path / "monitor.env")], env=forks.env,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and r.stdout == "", r
+        assert forks.take() == ["curl", "curl", "awk"]
+        at, verdict = (state / "last").read_text().split()
+        assert verdict == "ok" and int(before) <= int(at) <= time.time()
+        assert (state / "failures").read_text() == "0\n" and (state / "ok-at").read_text() == f"{at}\n"
+        assert (state / "engine-sample").read_text() == "5 7 "
+    assert key not in argv.read_text() and "-H @-" in argv.read_text()
+    assert stdin.read_text().splitlines() == [f"Authorization: Bearer {key}"] * 2

@@ -15,6 +15,7 @@ import pytest
 from components import monitoring as m
 from components import templates
 from components.config import ConfigError
+from tests.helpers import ForkLog
 from tests.unit.test_monitoring_rules import PROMTOOL, make_args
 from tests.unit.test_rendering import verify_unit
 
@@ -231,9 +232,9 @@ class Helper:
             else:
                 path.write_text(f"{value}\n")
 
-    def __call__(self) -> dict[str, float]:
-        r = subprocess.run(["bash", str(templates.FILES / "prometheus/monitor-textfile.sh"), str(self.env)],
-                           capture_output=True, text=True, timeout=30)
+    def __call__(self, env: dict | None = None) -> dict[str, float]:
+        r = subprocess.run([shutil.which("bash"), str(templates.FILES / "prometheus/monitor-textfile.sh"), str(self.env)],
+                           capture_output=True, text=True, timeout=30, env=env)
         assert r.returncode == 0, r.stderr
         text = (self.out / "fimfleet_monitor.prom").read_text()
         check_metrics(text)
@@ -310,6 +311,31 @@ def test_helper_exports_when_each_certificate_expires(tmp_path):
     assert got[f'fimfleet_tls_certificate_not_after_seconds{{node="a",path="{cert}"}}'] == \
         int(datetime.fromisoformat(issued["notAfter"]).timestamp())
     assert [k for k in got if k.startswith("fimfleet_tls_")] == [f'fimfleet_tls_certificate_not_after_seconds{{node="a",path="{cert}"}}']
+
+
+def test_a_round_forks_once_and_reads_a_certificate_again_only_when_it_changed(tmp_path):
+    """Why the helper is written with bash builtins: it runs every 15 s for the node's whole life, and
+    on a small VPS (or under emulation) each fork and each openssl start costs CPU the engine wants."""
+    import os
+
+    from components import tls
+
+    forks = ForkLog(tmp_path, {"mv": None, "mkdir": None, "openssl": None, "date": None})
+    cert = tmp_path / "server.pem"
+    cert.write_text(tls.issue("a.example.com", ["a.example.com"], [], days=20)["certPem"])
+    h = Helper(tmp_path, certificates=(f"a={cert}",))
+    h.write(last="1700000000 ok", failures=0, restarted_at=1700000100)
+    first = h(forks.env)
+    assert forks.take() == ["mkdir", "openssl", "date", "mv"]
+    assert h(forks.env) == first and forks.take() == ["mv"]
+    reissued = tls.issue("a.example.com", ["a.example.com"], [], days=40)
+    cert.write_text(reissued["certPem"])
+    os.utime(cert, ns=(os.stat(cert).st_mtime_ns + 10**9,) * 2)  # however coarse the clock
+    got = h(forks.env)
+    assert forks.take() == ["openssl", "date", "mv"]
+    key = f'fimfleet_tls_certificate_not_after_seconds{{node="a",path="{cert}"}}'
+    assert got[key] > first[key] + 15 * 86400
+    assert {k: v for k, v in got.items() if k != key} == {k: v for k, v in first.items() if k != key}
 
 
 def test_helper_survives_a_missing_or_garbled_state(tmp_path):
