@@ -99,6 +99,8 @@ def hardening_problems(c: dict, shm_gib: int, gpus: str, cap_add: tuple) -> list
         out.append(f"security options {hc.get('SecurityOpt')}, want no-new-privileges")
     if hc.get("NetworkMode") != "host":
         out.append(f"network {hc.get('NetworkMode')}, want host")
+    if hc.get("Init") is not True:  # a Python PID 1 would ignore docker stop's SIGTERM during the start
+        out.append(f"init {hc.get('Init')}, want docker's init as PID 1")
     return out
 
 
@@ -131,4 +133,4 @@ def test_the_checks_see_a_container_without_the_hardening(sh):
     sh(f"docker rm -f fimfleet-bare >/dev/null 2>&1; docker create --name fimfleet-bare {IMAGE} /bin/true >/dev/null")
     c = json.loads(sh("docker inspect fimfleet-bare").stdout)[0]
     found = hardening_problems(c, 16, "all", ())
-    assert len(found) == 7, found
+    assert len(found) == 8, found

@@ -6,7 +6,7 @@ docker-registry on the host, which the guest reaches as 10.0.2.2. To keep CI tim
 restored from a snapshot (scripts/engine_snapshot.py, docker-engine variant: that digest already in
 its dockerd) in which the runtime's own steps started its container once, so the first `up` adopts it.
 What stays real, in order: `up` through nginx and the SLA gate → the container's own health
-check streams a token → a SIGSTOPped engine is killed and its container started again by the
+check streams a token → a SIGSTOPped engine is stopped and its container started again by the
 monitor → a new digest (the same layers, one more label) is pulled and rolls the container,
 and the SLA gate runs again: the one engine start of this module → destroy removes the
 container, every image it pulled, and the unit.
@@ -71,6 +71,17 @@ def wait_for(node, script: str, want, timeout_s: float, what: str) -> str:
         time.sleep(5)
 
 
+def journal_cursor(node) -> str:
+    _, out, _ = node.ssh("journalctl -n 0 --show-cursor --no-pager")
+    return out.rsplit("-- cursor: ", 1)[1].strip()
+
+
+def unit_journal(node, cursor: str) -> str:
+    """What systemd and the engine logged for the unit after `cursor`."""
+    _, out, _ = node.ssh(f"journalctl -u {UNIT} --after-cursor={shlex.quote(cursor)} -o cat --no-pager")
+    return out
+
+
 def runtime_step(node, name: str) -> dict:
     state = json.loads(ld.fimfleet_pulumi("stack", "export", "-s", STACK))
     return next(r for r in state["deployment"]["resources"] if r["urn"].endswith(f"::{name}"))
@@ -103,12 +114,16 @@ def test_02_the_containers_own_health_check_streams_a_token(node):
 
 
 def test_03_a_stopped_engine_is_killed_and_its_container_started_again(node):
-    """The monitor's recovery on a SIGSTOP: the container's main process stops answering, the
-    monitor restarts the unit, docker stops the container (SIGKILL after its stop timeout) and
+    """The monitor's recovery on a SIGSTOP: the engine's API server (the child of the container's
+    init) stops answering, the monitor restarts the unit, whose stop wakes it with SIGCONT before
+    docker's SIGTERM, so it shuts down instead of waiting out the stop timeout for SIGKILL, and
     the unit runs a new one. The new engine then starts; test_04's roll replaces it and waits
     for it, so the module pays for one engine start."""
     before = inspect(node)
-    code, _, err = node.ssh(f"kill -STOP {before['State']['Pid']}")
+    cursor = journal_cursor(node)
+    code, engine, err = node.ssh(f"pgrep -o -P {before['State']['Pid']}")  # PID 1 is docker's init
+    assert code == 0, err
+    code, _, err = node.ssh(f"kill -STOP {engine.strip()}")
     assert code == 0, err
     new_id = wait_for(node, f"docker inspect -f '{{{{.Id}}}}' {CONTAINER} 2>/dev/null || true",
                       lambda s: s and s != before["Id"], 420, "a new engine container")
@@ -116,8 +131,10 @@ def test_03_a_stopped_engine_is_killed_and_its_container_started_again(node):
     assert after["State"]["Running"] and after["Config"]["Image"] == node.image
     _, journal, _ = node.ssh("journalctl -t fimfleet-monitor --no-pager -o cat | tail -n 20")
     assert f"hung: restarting {UNIT}" in journal, journal
-    code, _, _ = node.ssh(f"test -d /proc/{before['State']['Pid']}")
+    code, _, _ = node.ssh(f"test -d /proc/{engine.strip()}")
     assert code != 0, "the stopped engine process still exists"
+    stopped = unit_journal(node, cursor)
+    assert "Application shutdown complete" in stopped and "status=137" not in stopped, stopped[-3000:]
 
 
 def test_04_a_new_digest_rolls_the_container_and_the_sla_runs_again(node):
@@ -128,6 +145,7 @@ def test_04_a_new_digest_rolls_the_container_and_the_sla_runs_again(node):
     node.rolled = pushed.replace(node.build.REGISTRY, node.build.GUEST_REGISTRY, 1)
     assert node.rolled != node.image
     node.pulumi("config", "set", "--path", "fimfleet:runtime.image", node.rolled, check=True)
+    cursor = journal_cursor(node)
     t0 = time.monotonic()
     proc = node.pulumi("up", "--yes", "--skip-preview")
     node.roll_seconds = time.monotonic() - t0
@@ -136,6 +154,9 @@ def test_04_a_new_digest_rolls_the_container_and_the_sla_runs_again(node):
     c = inspect(node)
     assert c["State"]["Running"] and c["Config"]["Image"] == node.rolled
     assert c["Config"]["Labels"].get("org.fimfleet.roll") == "2"
+    # test_03's engine was still starting: it ends on SIGTERM, not by SIGKILL after the stop timeout.
+    rolled = unit_journal(node, cursor)
+    assert "status=137" not in rolled, rolled[-3000:]
     step = runtime_step(node, "node-runtime-service")
     started = json.loads(step["outputs"]["stdout"].strip().splitlines()[-1])
     assert started["adopted"] is False and started["ready_after_s"] > 0, started
