@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -55,6 +56,20 @@ def vm_ssh(state: Path, script: str, timeout=120) -> tuple[int, str, str]:
     """`script` on the test VM of `state`, under `set -euo pipefail` (components/ssh.py)."""
     with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(state)))) as client:
         return ssh.run(client, script, timeout_s=timeout)
+
+
+def journal_cursor(state: Path) -> str:
+    """Where the journal of the test VM of `state` ends now; unit_journal reads what follows."""
+    code, out, err = vm_ssh(state, "journalctl -n 0 --show-cursor --no-pager")
+    assert code == 0, err
+    return re.search(r"-- cursor: (\S+)", out).group(1)
+
+
+def unit_journal(state: Path, unit: str, cursor: str) -> str:
+    """What systemd and the unit's processes logged for `unit` after `cursor`."""
+    code, out, err = vm_ssh(state, f"journalctl -u {shlex.quote(unit)} --after-cursor={shlex.quote(cursor)} -o cat --no-pager")
+    assert code == 0, err
+    return out
 
 
 def shown(proc: subprocess.CompletedProcess) -> str:

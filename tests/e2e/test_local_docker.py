@@ -22,7 +22,8 @@ import pytest
 
 from components import runtime
 from scripts import local_deploy as ld
-from tests.e2e.local_stack import DOCKER_STACK, DOCKER_VARIANT, Node, docker_config, docker_engine, live, one_completion, shown
+from tests.e2e.local_stack import (DOCKER_STACK, DOCKER_VARIANT, Node, docker_config, docker_engine, journal_cursor, live,
+                                   one_completion, shown, unit_journal)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
@@ -71,17 +72,6 @@ def wait_for(node, script: str, want, timeout_s: float, what: str) -> str:
         time.sleep(5)
 
 
-def journal_cursor(node) -> str:
-    _, out, _ = node.ssh("journalctl -n 0 --show-cursor --no-pager")
-    return out.rsplit("-- cursor: ", 1)[1].strip()
-
-
-def unit_journal(node, cursor: str) -> str:
-    """What systemd and the engine logged for the unit after `cursor`."""
-    _, out, _ = node.ssh(f"journalctl -u {UNIT} --after-cursor={shlex.quote(cursor)} -o cat --no-pager")
-    return out
-
-
 def runtime_step(node, name: str) -> dict:
     state = json.loads(ld.fimfleet_pulumi("stack", "export", "-s", STACK))
     return next(r for r in state["deployment"]["resources"] if r["urn"].endswith(f"::{name}"))
@@ -120,10 +110,11 @@ def test_03_a_stopped_engine_is_killed_and_its_container_started_again(node):
     the unit runs a new one. The new engine then starts; test_04's roll replaces it and waits
     for it, so the module pays for one engine start."""
     before = inspect(node)
-    cursor = journal_cursor(node)
+    cursor = journal_cursor(node.state)
     code, engine, err = node.ssh(f"pgrep -o -P {before['State']['Pid']}")  # PID 1 is docker's init
     assert code == 0, err
-    code, _, err = node.ssh(f"kill -STOP {engine.strip()}")
+    engine = engine.strip()
+    code, _, err = node.ssh(f"kill -STOP {engine}")
     assert code == 0, err
     new_id = wait_for(node, f"docker inspect -f '{{{{.Id}}}}' {CONTAINER} 2>/dev/null || true",
                       lambda s: s and s != before["Id"], 420, "a new engine container")
@@ -131,9 +122,9 @@ def test_03_a_stopped_engine_is_killed_and_its_container_started_again(node):
     assert after["State"]["Running"] and after["Config"]["Image"] == node.image
     _, journal, _ = node.ssh("journalctl -t fimfleet-monitor --no-pager -o cat | tail -n 20")
     assert f"hung: restarting {UNIT}" in journal, journal
-    code, _, _ = node.ssh(f"test -d /proc/{engine.strip()}")
+    code, _, _ = node.ssh(f"test -d /proc/{engine}")
     assert code != 0, "the stopped engine process still exists"
-    stopped = unit_journal(node, cursor)
+    stopped = unit_journal(node.state, UNIT, cursor)
     assert "Application shutdown complete" in stopped and "status=137" not in stopped, stopped[-3000:]
 
 
@@ -145,7 +136,7 @@ def test_04_a_new_digest_rolls_the_container_and_the_sla_runs_again(node):
     node.rolled = pushed.replace(node.build.REGISTRY, node.build.GUEST_REGISTRY, 1)
     assert node.rolled != node.image
     node.pulumi("config", "set", "--path", "fimfleet:runtime.image", node.rolled, check=True)
-    cursor = journal_cursor(node)
+    cursor = journal_cursor(node.state)
     t0 = time.monotonic()
     proc = node.pulumi("up", "--yes", "--skip-preview")
     node.roll_seconds = time.monotonic() - t0
@@ -155,7 +146,7 @@ def test_04_a_new_digest_rolls_the_container_and_the_sla_runs_again(node):
     assert c["State"]["Running"] and c["Config"]["Image"] == node.rolled
     assert c["Config"]["Labels"].get("org.fimfleet.roll") == "2"
     # test_03's engine was still starting: it ends on SIGTERM, not by SIGKILL after the stop timeout.
-    rolled = unit_journal(node, cursor)
+    rolled = unit_journal(node.state, UNIT, cursor)
     assert "status=137" not in rolled, rolled[-3000:]
     step = runtime_step(node, "node-runtime-service")
     started = json.loads(step["outputs"]["stdout"].strip().splitlines()[-1])

@@ -30,7 +30,8 @@ from components import runtime
 from components.gateway_render import FLEET_PROBE_KEY_NAME
 from scripts import local_deploy as ld
 from scripts import local_fleet
-from tests.e2e.local_stack import Node, assert_sla_missed, client, keys, live, set_impossible_sla, shown, vm_ssh
+from tests.e2e.local_stack import (Node, assert_sla_missed, client, journal_cursor, keys, live, set_impossible_sla,
+                                   shown, unit_journal, vm_ssh)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fleet, pytest.mark.timeout(5400)]
 
@@ -59,12 +60,11 @@ class Fleet(Node):
             if '"/v1/completions"' in line] for n in NODES}
 
     def journal_cursor(self, name: str) -> str:
-        out = self.on(name, "journalctl -n 0 --show-cursor --no-pager")
-        return re.search(r"-- cursor: (\S+)", out).group(1)
+        return journal_cursor(self.vms[name])
 
     def engine_starts(self, name: str, cursor: str) -> int:
         """How often systemd started node `name`'s engine since `cursor`."""
-        out = self.on(name, f"journalctl -u {runtime.unit_name(name)} --after-cursor='{cursor}' -o cat --no-pager")
+        out = unit_journal(self.vms[name], runtime.unit_name(name), cursor)
         return sum(1 for line in out.splitlines() if line.startswith("Started "))
 
 
