@@ -2,7 +2,7 @@
 beside the first (scripts/local_fleet.py), and rolls changes over it.
 
 One stack for the module, steps in order: fleet `up` (both engines adopted from serving
-snapshots) → a no-op `up` changes nothing → each key stays on one node → a rolling change while
+snapshots; no Prometheus, which the `local` e2e covers) → a no-op `up` changes nothing → each key stays on one node → a rolling change while
 a client streams through the gateway: the canary drained, checked and enabled before node2, no
 failed request → a change that fails the canary's SLA: `up` fails, node2 untouched and serving,
 the gateway sends the canary nothing → `destroy` removes both nodes and the gateway.
@@ -12,8 +12,8 @@ engine change does, without the engine's restart (3-4 minutes per node under emu
 `.ci/run` cannot afford twice more). A roll with real engine restarts is measured natively by
 benchmarks/roll_capacity.py; the local-docker e2e rolls a real engine restart on one VM.
 
-In `./fimfleet test`'s default run: about 10-12 minutes warm (699 s on 2026-12-05 14:10; on
-2026-12-06 a warm `.ci/run` with it took 39.5 min, under its 45-minute limit). Alone:
+In `./fimfleet test`'s default run: about 9 minutes warm (alone on 2026-12-07: 523 s, against 650 s
+the same hour with Prometheus on both nodes). Alone:
 `./fimfleet test -m fleet tests/e2e/test_local_fleet.py`.
 """
 
@@ -97,6 +97,10 @@ def fleet(tmp_path_factory, request):
             # Both VMs from serving snapshots (node2's built in the local e2e's setup, or here the first
             # time): `up` adopts both engines.
             local_fleet.start(f.tmp, f.config_file, paths, serving=True)
+        # Prometheus and node_exporter on a test VM are the `local` e2e's (test_04b scrapes them);
+        # here they were about 100 s of the first `up` (each node's, before its SLA gate, the canary
+        # and then node2) and two more steps per node in `destroy`, for nothing this module asserts.
+        f.pulumi("config", "set", "--path", "fimfleet:monitoring.enabled", "false", "--type", "bool", check=True)
         f.first_up = f.pulumi("up", "--yes", "--skip-preview")
         f.destroyed = False
         yield f
