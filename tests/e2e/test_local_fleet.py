@@ -2,10 +2,11 @@
 beside the first (scripts/local_fleet.py), and rolls changes over it.
 
 One stack for the module, steps in order: fleet `up` (both engines adopted from serving
-snapshots; no Prometheus, which the `local` e2e covers) → a no-op `up` changes nothing → each key stays on one node → a rolling change while
-a client streams through the gateway: the canary drained, checked and enabled before node2, no
-failed request → a change that fails the canary's SLA: `up` fails, node2 untouched and serving,
-the gateway sends the canary nothing → `destroy` removes both nodes and the gateway.
+snapshots; no Prometheus, which the `local` e2e covers) → a no-op `up` changes nothing → each
+key stays on one node → a rolling change while a client streams through the gateway: the
+canary drained, checked and enabled before node2, no failed request → a change that fails the
+canary's SLA: `up` fails, node2 untouched and serving, the gateway sends the canary nothing →
+`destroy` removes both nodes and the gateway.
 
 The rolling change is a kernel value: it drains, retunes and checks each node in turn as an
 engine change does, without the engine's restart (3-4 minutes per node under emulation, which
