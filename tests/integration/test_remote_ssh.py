@@ -198,6 +198,31 @@ def test_files_land_in_new_nested_directories_made_over_sftp(sshd):
             {"path": "/var/lib/fimfleet/a/b/two.conf/x", "mode": "0644", "content": ""}]))
 
 
+
+def test_a_file_already_as_wanted_is_left_untouched_and_any_difference_rewrites_it(sshd):
+    """An unchanged unit file keeps its mtime, so systemd needs no daemon-reload for it
+    (files/host/reload-units.sh.j2); content, mode or a link in its place are written again."""
+    ident = first_contact(sshd)
+    base = sshd.varlib / "fimfleet"
+    want = {"unit": ("0644", "[Unit]\n"), "key": ("0600", "secret\n"), "link": ("0644", "real\n"), "mode": ("0644", "m\n")}
+    files = [{"path": f"/var/lib/fimfleet/{name}", "mode": mode, "content": text} for name, (mode, text) in want.items()]
+
+    def apply():
+        remote.RemoteStepProvider().create(step(pinned(sshd, ident), files=files))
+        return {name: (base / name).lstat() for name in want}
+
+    first = apply()
+    (base / "key").write_text("changed by hand\n")
+    (base / "mode").chmod(0o666)
+    (base / "link").unlink()
+    (base / "elsewhere").write_text("real\n")
+    (base / "link").symlink_to(base / "elsewhere")
+    second = apply()
+    assert (second["unit"].st_ino, second["unit"].st_mtime_ns) == (first["unit"].st_ino, first["unit"].st_mtime_ns)
+    for name, (mode, text) in want.items():  # lstat: a link left in place would show 0777
+        assert (base / name).read_text() == text and f"{(base / name).lstat().st_mode & 0o777:04o}" == mode, name
+    assert not list(base.glob("*.fimfleet-*"))
+
 def client_ports(sshd: Sshd) -> list[int]:
     """Local ports of this machine's open connections to the server."""
     out = subprocess.run(["ss", "-Htn", "state", "established", f"( dport = :{sshd.port} )"], capture_output=True,
