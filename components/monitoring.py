@@ -271,11 +271,13 @@ def _defaults(service: str, args: list[str]) -> dict:
             "backup": f"{STAGED_DIR}/before-fimfleet-{service}", "args": args}
 
 
-def _packages(role: str, packages: list[str], defaults: list[dict]) -> tuple[list[dict], dict]:
-    """Staged /etc/default files, and what packages.sh.j2 / packages-destroy.sh.j2 need."""
+def _packages(role: str, packages: list[str], defaults: list[dict], units: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+    """Staged /etc/default files, and what packages.sh.j2 / packages-destroy.sh.j2 need; `units`:
+    the unit files the step uploads besides, which packages.sh reloads when they changed."""
     files = [{"path": d["staged"], "mode": "0644", "content": templates.render("prometheus/default-args.j2", args=d["args"])}
              for d in defaults]
-    return files, {"record": PACKAGE_RECORD.format(role=role), "packages": packages, "defaults": defaults}
+    return files, {"record": PACKAGE_RECORD.format(role=role), "packages": packages, "defaults": defaults,
+                   "units": [d["service"] for d in defaults] + list(units)}
 
 
 def steps(args: MonitoringArgs) -> list[dict]:
@@ -297,7 +299,8 @@ def steps(args: MonitoringArgs) -> list[dict]:
 def exporter_steps(e: ExporterArgs) -> list[dict]:
     """One host's node_exporter and its deep-probe textfile export."""
     d = _defaults("prometheus-node-exporter", node_exporter_args(e))
-    staged, pkg = _packages("exporter", ["prometheus-node-exporter", "dbus", "openssl"], [d])
+    staged, pkg = _packages("exporter", ["prometheus-node-exporter", "dbus", "openssl"], [d],
+                            (f"{HELPER_UNIT}.service", f"{HELPER_UNIT}.timer"))
     kw = dict(textfile_dir=e.textfile_dir, script=HELPER, env_file=HELPER_ENV, state_dir=e.state_dir,
               timer=f"{HELPER_UNIT}.timer", service=f"{HELPER_UNIT}.service", listen=e.listen,
               monitors=[f"{node}={unit}" for node, unit in e.monitors],
