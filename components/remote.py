@@ -42,9 +42,16 @@ MARKER_DIR = "/var/lib/fimfleet/steps"
 STEP_KEYS = ("apply", "destroy", "files", "uploads", "env", "triggers")
 
 
+def _connection(props: dict) -> dict:
+    """The step's connection; {} while a preview does not know it yet (a host whose connection
+    changed is read again by HostIdentity first, so its outputs are unknown until `up`)."""
+    conn = props.get("connection")
+    return conn if isinstance(conn, dict) else {}
+
+
 def _identity(props: dict) -> str | None:
     """The host identity (components/identity.py) that the connection carries, if any."""
-    return (props.get("connection") or {}).get("identity")
+    return _connection(props).get("identity")
 
 
 def _digest(props: dict, with_identity: bool | None = None) -> str:
@@ -81,7 +88,7 @@ def _target(props: dict) -> SshTarget:
 
 
 def _gone(props: dict) -> bool:
-    return bool((props.get("connection") or {}).get("gone"))
+    return bool(_connection(props).get("gone"))
 
 
 class RemoteStepProvider(ResourceProvider):

@@ -3,6 +3,7 @@
 import dill
 import pytest
 from cryptography import x509
+from pulumi.output import UNKNOWN
 
 from components import remote, ssh, tls
 
@@ -47,6 +48,15 @@ def test_rotated_key_is_recorded_without_running_the_step(monkeypatch):
     monkeypatch.setattr(provider, "_mark", lambda *a: None)
     monkeypatch.setattr(remote, "shared_session", _no_session)
     assert provider.update("id", olds, news).outs["connection"]["privateKey"] == "other"
+
+
+@pytest.mark.parametrize("connection", [UNKNOWN, {**CONN, "identity": UNKNOWN}])
+def test_a_connection_a_preview_does_not_know_yet_is_an_update(connection):
+    """A changed key or address: HostIdentity reads the host again, so in a preview every step's
+    connection (or its identity) is unknown. That is an update, not a traceback in diff."""
+    olds = applied(props(connection={**CONN, "identity": "a"}))
+    d = remote.RemoteStepProvider().diff("id", olds, props(connection=connection))
+    assert d.changes and not d.replaces and not d.delete_before_replace
 
 
 class _no_session:
