@@ -99,7 +99,8 @@ def serving_snapshot_cached(serving_config: Path, wheelhouse: str, variant: str 
 
 def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, same_ports: bool = False,
              variant: str = VARIANT, guest_ports: tuple[int, ...] = (443,), node: str = "node",
-             variant_env: dict | None = None) -> dict:
+             variant_env: dict | None = None, snapshot: Path | None = None,
+             host_ports: dict[str, int] | None = None) -> dict:
     """A fresh VM with guest 443 forwarded to a free local port: restored from the snapshot whose
     engine already serves `serving_config`'s runtime (scripts/engine_snapshot.py), or, without
     it, from the variant's booted snapshot (the engine then starts during `pulumi up`).
@@ -108,20 +109,25 @@ def start_vm(state: Path, wheelhouse: str, serving_config: Path | None = None, s
     docker-engine (that daemon with the engine image in it already). `guest_ports`: the guest's
     ports forwarded to free local ones (a gateway beside the ingress needs its own). `node`: the node
     whose engine the serving snapshot runs (a fleet's VMs each serve their own). `variant_env`: see
-    _testbed_env."""
+    _testbed_env. `snapshot`: restore this saved snapshot instead (tests/e2e/upgrade.py).
+    `host_ports`: guest port -> local port ("22" included), instead of free ones."""
     env = _testbed_env(wheelhouse, variant_env)
-    ports = [a for g in guest_ports for a in ("--forward", str(g))]
     if (state / "info.json").exists():
         status = vm("status", state=state, check=False)
         if same_ports:
-            ports = ["--ssh-port", str(status["ports"]["22"])]
-            ports += [a for g in guest_ports for a in ("--forward", f"{status['ports'][str(g)]}:{g}")]
+            host_ports = status["ports"]
         if not same_ports and status.get("running") and status.get("variant") == variant \
                 and all(str(g) in status.get("ports", {}) for g in guest_ports):
             # The deployed node lives on this VM: a rerun converges on it instead of starting over.
             say(f"reusing the running test VM in {state}")
             return status
+    ports = [a for g in guest_ports for a in ("--forward", str(g))]
+    if host_ports:
+        ports = ["--ssh-port", str(host_ports["22"])]
+        ports += [a for g in guest_ports for a in ("--forward", f"{host_ports[str(g)]}:{g}")]
     say("test VM: image, snapshot and a fresh VM restored from it (the first build takes several minutes)")
+    if snapshot is not None:
+        return vm("restore", "--snapshot", str(snapshot), *ports, state=state, env=env)
     if serving_config is None:
         return vm("restore", "--variant", variant, *ports, state=state, env=env)
     sdir = serving_snapshot(serving_config, wheelhouse, variant, node, variant_env)

@@ -2,7 +2,7 @@
 
 One stack for the module, steps in order (each names what failed and where):
 up of the program before HostBase (adopting the engine of a VM restored from the serving
-snapshot) → this tree's program takes it over with no replacement → live kernel values →
+snapshot; cached by its inputs, tests/e2e/upgrade.py) → this tree's program takes it over with no replacement → live kernel values →
 ingress keys/streaming/ACLs → monitor → Prometheus → no-op second up → drift repaired by
 `up --refresh` → impossible SLA fails and the node keeps serving → a changed host key is
 refused → a killed `up` leaves a lock the demo clears → the demo after `vm.py stop` converges
@@ -30,28 +30,10 @@ from scripts import local_deploy as ld
 from scripts import local_fleet
 from tests.e2e.local_stack import (Node, assert_sla_missed, client, docker_snapshot_beside, keys, live, one_completion,
                                    selected, set_impossible_sla, shown)
+from tests.e2e.upgrade import UPGRADE_FROM, OldStack
 from tests.helpers import kill_session
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
-
-UPGRADE_FROM = "f3020e7645ad45657d29184da42133e9b7a913aa"
-"""The last commit before HostBase (issue 11): the first `up` deploys its program, as a stack
-deployed before that change would have been; then this tree's program must take it over.
-Its runtime renders the unit files the serving snapshot holds while the runtime is unchanged;
-after a runtime change its first `up` starts the engine again (minutes longer, still correct)."""
-
-
-def program_at(commit: str, dest: Path) -> Path | None:
-    """The Pulumi program as it was at `commit` (its whole tree, with this checkout's .venv), or None
-    when this clone lacks the commit (a shallow clone: `git fetch --unshallow`)."""
-    if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ld.ROOT, capture_output=True).returncode:
-        return None
-    dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", commit], cwd=ld.ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    (dest / ".venv").symlink_to(ld.ROOT / ".venv")
-    return dest
-
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, request):
@@ -77,13 +59,14 @@ def node(tmp_path_factory, request):
         # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
         # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
         # build (whenever the runtime changes) and in the integration tests against real vLLM.
-        ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file)
+        # The old program's up onto it is cached by its inputs (tests/e2e/upgrade.py).
+        old = OldStack(n, paths)
+        old.start()
         if beside:  # before anything is measured: an engine start beside an SLA check would skew it
             beside.join()
-    n.old_program = program_at(UPGRADE_FROM, n.tmp / "before-hostbase")
-    t0 = time.monotonic()
-    proc = n.pulumi("up", "--yes", "--skip-preview", program=n.old_program)
-    n.up_seconds = time.monotonic() - t0
+    n.old_program = old.program
+    with live(request):  # on a cache miss the VM's save follows the up: its progress
+        proc, n.up_seconds = old.up()
     n.first_up = proc
     n.upgrade_preview = n.upgrade_up = None
     if n.old_program and proc.returncode == 0:

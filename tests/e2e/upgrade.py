@@ -93,7 +93,7 @@ class OldStack:
         ports = json.loads((self.dir / RECORD).read_text())["ports"]
         same = all(_free(p) for p in ports.values())  # else free ones: each step's connection updates
         ld.start_vm(n.state, self.paths["wheelhouse"], snapshot=self.dir / "vm", host_ports=ports if same else None)
-        n.pulumi("stack", "import", "--file", str(self.dir / "state.json"), check=True)
+        ld.fimfleet_pulumi("stack", "import", "-s", n.stack, "--file", str(self.dir / "state.json"))
 
     def up(self) -> tuple[subprocess.CompletedProcess, float]:
         """The old program's `up` and its seconds: run now, or as recorded when it was saved."""

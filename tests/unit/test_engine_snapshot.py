@@ -135,3 +135,23 @@ def test_the_docker_test_vm_runs_the_local_stacks_engine_settings():
     one, docker = (yaml.safe_load((stacks / f"Pulumi.{s}.yaml").read_text())["config"]["fimfleet:engine"]
                    for s in ("local", "local-docker"))
     assert docker == one
+
+
+def test_a_vm_restores_onto_the_ports_it_is_given_or_its_stopped_predecessors(tmp_path, monkeypatch):
+    """tests/e2e/upgrade.py restores its saved VM on the recorded ports (a state that names them
+    then needs no update), and a reinstalled host keeps its address (same_ports)."""
+    calls = []
+
+    def vm(*args, state, **kw):
+        calls.append(args)
+        return {"running": False, "variant": "vllm", "ports": {"22": 2201, "443": 8401}} if args[0] == "status" else {}
+
+    monkeypatch.setattr(ld, "vm", vm)
+    ld.start_vm(tmp_path / "a", "w", snapshot=tmp_path / "saved", host_ports={"22": 2222, "443": 8443})
+    assert calls[-1] == ("restore", "--snapshot", str(tmp_path / "saved"), "--ssh-port", "2222", "--forward", "8443:443")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "info.json").write_text("{}")
+    ld.start_vm(tmp_path / "b", "w", snapshot=tmp_path / "saved", same_ports=True)
+    assert calls[-1] == ("restore", "--snapshot", str(tmp_path / "saved"), "--ssh-port", "2201", "--forward", "8401:443")
+    ld.start_vm(tmp_path / "c", "w")
+    assert calls[-1] == ("restore", "--variant", "vllm", "--forward", "443")
