@@ -2,13 +2,13 @@
 
 One stack for the module, steps in order (each names what failed and where):
 up of the program before HostBase (adopting the engine of a VM restored from the serving
-snapshot; cached by its inputs, tests/e2e/upgrade.py) → this tree's program takes it over with no replacement → live kernel values →
-ingress keys/streaming/ACLs → monitor → Prometheus → no-op second up → drift repaired by
-`up --refresh` → impossible SLA fails and the node keeps serving → a changed host key is
-refused → a killed `up` leaves a lock the demo clears → the demo after `vm.py stop` converges
-on a fresh VM → a host wiped under the same address is found by `up --refresh` → a
-certificate near its end is reissued → destroy restores the defaults → destroy with the host
-gone ends with a warning.
+snapshot; cached by its inputs, tests/e2e/upgrade.py) → this tree's program takes it over
+with no replacement → live kernel values → ingress keys/streaming/ACLs → monitor →
+Prometheus → no-op second up → drift repaired by `up --refresh` → impossible SLA fails and
+the node keeps serving → a changed host key is refused → a killed `up` leaves a lock the demo
+clears → the demo after `vm.py stop` converges on a fresh VM → a host wiped under the same
+address is found by `up --refresh` → a certificate near its end is reissued → destroy
+restores the defaults → destroy with the host gone ends with a warning.
 """
 
 from __future__ import annotations
