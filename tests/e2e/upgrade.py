@@ -78,7 +78,13 @@ class OldStack:
                                            Path(__file__).read_text(), os.path.realpath(ld.ROOT / ".venv"),
                                            paths["model_dir"], cli)
         record = self.dir / RECORD
-        self.cached = bool(self.program) and record.exists() and time.time() - record.stat().st_mtime < MAX_AGE_S
+        fresh = bool(self.program) and record.exists() and time.time() - record.stat().st_mtime < MAX_AGE_S
+        self.record = json.loads(record.read_text()) if fresh else None
+        """The saved up's output, seconds and ports: None without a usable cache entry."""
+
+    @property
+    def cached(self) -> bool:
+        return self.record is not None
 
     def start(self) -> None:
         """The VM: restored with the old program's deployment in it and the stack's state imported,
@@ -90,7 +96,7 @@ class OldStack:
         ld.say(f"restoring the VM that {UPGRADE_FROM[:7]}'s program deployed ({self.dir}); its up is not run again")
         shutil.copy(self.dir / "Pulumi.local.yaml", n.config_file)
         ld.stack_config(n.config_file, n.state, self.paths["model_dir"])  # this run's VM, the same keys
-        ports = json.loads((self.dir / RECORD).read_text())["ports"]
+        ports = self.record["ports"]
         same = all(_free(p) for p in ports.values())  # else free ones: each step's connection updates
         ld.start_vm(n.state, self.paths["wheelhouse"], snapshot=self.dir / "vm", host_ports=ports if same else None)
         ld.fimfleet_pulumi("stack", "import", "-s", n.stack, "--file", str(self.dir / "state.json"))
@@ -98,7 +104,7 @@ class OldStack:
     def up(self) -> tuple[subprocess.CompletedProcess, float]:
         """The old program's `up` and its seconds: run now, or as recorded when it was saved."""
         if self.cached:
-            r = json.loads((self.dir / RECORD).read_text())
+            r = self.record
             return subprocess.CompletedProcess(r["args"], 0, r["stdout"], r["stderr"]), r["seconds"]
         t0 = time.monotonic()
         proc = self.node.pulumi("up", "--yes", "--skip-preview", program=self.program)
@@ -118,8 +124,7 @@ class OldStack:
             (self.dir / RECORD).unlink(missing_ok=True)
             ports = ld.vm("status", state=n.state)["ports"]
             _write(self.dir / "state.json", ld.fimfleet_pulumi("stack", "export", "-s", n.stack))
-            shutil.copy(n.config_file, self.dir / "Pulumi.local.yaml.tmp")
-            (self.dir / "Pulumi.local.yaml.tmp").replace(self.dir / "Pulumi.local.yaml")
+            _write(self.dir / "Pulumi.local.yaml", n.config_file.read_text())
             ld.vm("save", "--to", str(self.dir / "vm"), "--label", json.dumps({"upgrade_from": UPGRADE_FROM}),
                   state=n.state)
             ld.start_vm(n.state, self.paths["wheelhouse"], snapshot=self.dir / "vm", same_ports=True)
