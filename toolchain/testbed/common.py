@@ -58,8 +58,11 @@ def need(cmd: str, pkg: str) -> str:
 
 def image_dir(variant: str) -> str:
     """Build (or reuse) the image for `variant`; return its cache directory."""
+    # The image is keyed by its pins: this machine's pip settings (PIP_FIND_LINKS=/opt/wheels here,
+    # a directory the chroot lacks: 166 warnings per vllm build) must not reach the chroot's pip.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     out = subprocess.run(["bash", BUILD_IMAGE, "--variant", variant], stdout=subprocess.PIPE,
-                         text=True)
+                         text=True, env=env)
     if out.returncode != 0:
         raise TestbedError(f"build-image.sh --variant {variant} failed (exit {out.returncode})")
     d = out.stdout.strip().splitlines()[-1]
