@@ -41,43 +41,45 @@ def node(tmp_path_factory, request):
     # Its own Pulumi state, so a demo deployment on this machine is never touched.
     mp = pytest.MonkeyPatch()
     mp.setenv("FIMFLEET_BACKEND_URL", f"file://{n.tmp / 'state'}")
-    with live(request):
-        paths = ld.prepare()
-        n.wheelhouse = paths["wheelhouse"]
-        n.model_dir = paths["model_dir"]
-        ld.stack_config(n.config_file, n.state, paths["model_dir"])
-        beside = None
-        if selected(request, "test_local_docker.py") and not ld.serving_snapshot_cached(n.config_file, n.wheelhouse):
-            beside = docker_snapshot_beside(n.tmp / "docker-beside", paths)
-        second = local_fleet.NODES[1]
-        if selected(request, "test_local_fleet.py") and not ld.serving_snapshot_cached(n.config_file, n.wheelhouse,
-                                                                                         node=second):
-            # A fresh machine: the fleet e2e's second node's snapshot too, after this one's and while the
-            # docker chain still builds, not alone in the fleet's setup (432 s there, about 80 min in).
-            ld.serving_snapshot(n.config_file, n.wheelhouse)
-            ld.serving_snapshot(n.config_file, n.wheelhouse, node=second)
-        # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
-        # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
-        # build (whenever the runtime changes) and in the integration tests against real vLLM.
-        # The old program's up onto it is cached by its inputs (tests/e2e/upgrade.py).
-        old = OldStack(n, paths)
-        old.start()
-        if beside:  # before anything is measured: an engine start beside an SLA check would skew it
-            beside.join()
-    n.old_program = old.program
-    with live(request):  # on a cache miss the VM's save follows the up: its progress
-        proc, n.up_seconds = old.up()
-    n.first_up = proc
-    n.upgrade_preview = n.upgrade_up = None
-    if n.old_program and proc.returncode == 0:
-        # This tree's program takes the stack over: judged by test_01c, and every later test runs on it.
-        n.state_before_upgrade = ld.fimfleet_pulumi("stack", "export", "-s", "local")
-        n.upgrade_preview = n.pulumi("preview", "--json")
-        n.upgrade_up = n.pulumi("up", "--yes", "--skip-preview")
-    yield n
-    n.pulumi("destroy", "--yes")
-    ld.stop_vm(n.state)
-    mp.undo()
+    try:  # a setup that fails part-way leaves no VM running
+        with live(request):
+            paths = ld.prepare()
+            n.wheelhouse = paths["wheelhouse"]
+            n.model_dir = paths["model_dir"]
+            ld.stack_config(n.config_file, n.state, paths["model_dir"])
+            beside = None
+            if selected(request, "test_local_docker.py") and not ld.serving_snapshot_cached(n.config_file, n.wheelhouse):
+                beside = docker_snapshot_beside(n.tmp / "docker-beside", paths)
+            second = local_fleet.NODES[1]
+            if selected(request, "test_local_fleet.py") and not ld.serving_snapshot_cached(n.config_file, n.wheelhouse,
+                                                                                             node=second):
+                # A fresh machine: the fleet e2e's second node's snapshot too, after this one's and while the
+                # docker chain still builds, not alone in the fleet's setup (432 s there, about 80 min in).
+                ld.serving_snapshot(n.config_file, n.wheelhouse)
+                ld.serving_snapshot(n.config_file, n.wheelhouse, node=second)
+            # The engine already serves this runtime in the restored VM (scripts/engine_snapshot.py), so the
+            # first `up` adopts it. The engine starts for real, with the same start.sh, in the snapshot's
+            # build (whenever the runtime changes) and in the integration tests against real vLLM.
+            # The old program's up onto it is cached by its inputs (tests/e2e/upgrade.py).
+            old = OldStack(n, paths)
+            old.start()
+            if beside:  # before anything is measured: an engine start beside an SLA check would skew it
+                beside.join()
+        n.old_program = old.program
+        with live(request):  # on a cache miss the VM's save follows the up: its progress
+            proc, n.up_seconds = old.up()
+        n.first_up = proc
+        n.upgrade_preview = n.upgrade_up = None
+        if n.old_program and proc.returncode == 0:
+            # This tree's program takes the stack over: judged by test_01c, and every later test runs on it.
+            n.state_before_upgrade = ld.fimfleet_pulumi("stack", "export", "-s", "local")
+            n.upgrade_preview = n.pulumi("preview", "--json")
+            n.upgrade_up = n.pulumi("up", "--yes", "--skip-preview")
+        yield n
+        n.pulumi("destroy", "--yes")
+    finally:
+        ld.stop_vm(n.state)
+        mp.undo()
 
 
 def _served_not_after(node) -> dt.datetime:

@@ -24,6 +24,7 @@ from components import runtime
 from scripts import local_deploy as ld
 from tests.e2e.local_stack import (DOCKER_STACK, DOCKER_VARIANT, Node, docker_config, docker_engine, journal_cursor, live,
                                    one_completion, shown, unit_journal)
+from tests.helpers import image_build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(5400)]
 
@@ -37,22 +38,24 @@ def node(tmp_path_factory, request):
     n = Node(tmp_path_factory.mktemp("e2e-docker"), stack=STACK)
     mp = pytest.MonkeyPatch()
     mp.setenv("FIMFLEET_BACKEND_URL", f"file://{n.tmp / 'state'}")
-    with live(request):
-        paths = ld.prepare()
-        engine = docker_engine()
-    n.build, n.image_id, n.image = engine.build, engine.build.config_digest(engine.pushed), engine.image
-    docker_config(n.config_file, n.state, paths["model_dir"], engine)
-    with live(request):
-        ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant=DOCKER_VARIANT,
-                    variant_env=engine.variant_env)
-    t0 = time.monotonic()
-    n.first_up = n.pulumi("up", "--yes", "--skip-preview")
-    n.up_seconds = time.monotonic() - t0
-    yield n
-    n.pulumi("destroy", "--yes")
-    ld.stop_vm(n.state)
-    n.build.stop_registry()
-    mp.undo()
+    try:  # a setup that fails part-way leaves no VM or registry running
+        with live(request):
+            paths = ld.prepare()
+            engine = docker_engine()
+        n.build, n.image_id, n.image = engine.build, engine.build.config_digest(engine.pushed), engine.image
+        docker_config(n.config_file, n.state, paths["model_dir"], engine)
+        with live(request):
+            ld.start_vm(n.state, paths["wheelhouse"], serving_config=n.config_file, variant=DOCKER_VARIANT,
+                        variant_env=engine.variant_env)
+        t0 = time.monotonic()
+        n.first_up = n.pulumi("up", "--yes", "--skip-preview")
+        n.up_seconds = time.monotonic() - t0
+        yield n
+        n.pulumi("destroy", "--yes")
+    finally:
+        ld.stop_vm(n.state)
+        image_build().stop_registry()  # `image push` may have started it before a failure
+        mp.undo()
 
 
 def inspect(node, what: str = CONTAINER) -> dict:
