@@ -5,7 +5,8 @@
 a new host identity, so every step is applied, and the engine is adopted (its start is measured
 by the snapshot's build and by deploy_time.py). The CLI's own event log gives each resource's
 start and end (whole seconds: the engine's timestamps); the report lists them in start order
-with the longest first in `slowest`, and goes to benchmarks/results/deploy_steps.json.
+with the longest first in `slowest`, and goes to benchmarks/results/deploy_steps.json. The
+`destroy` that follows is timed the same way (`destroy_steps`): the e2e runs three of them.
 
     .venv/bin/python benchmarks/deploy_steps.py
 """
@@ -43,11 +44,15 @@ def step_times(event_log: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (r["start_s"], r["name"]))
 
 
+def slowest(rows: list[dict]) -> list[dict]:
+    return sorted((r for r in rows if r["seconds"] is not None), key=lambda r: -r["seconds"])[:10]
+
+
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="deploy-steps-"))
     os.environ["FIMFLEET_BACKEND_URL"] = f"file://{tmp / 'state'}"  # never the demo's state
     os.environ["PULUMI_DEBUG_COMMANDS"] = "true"  # the CLI offers --event-log only with it
-    state, cfg, events = tmp / "vm", tmp / "Pulumi.local.yaml", tmp / "events.jsonl"
+    state, cfg, events, destroy_events = tmp / "vm", tmp / "Pulumi.local.yaml", tmp / "up.jsonl", tmp / "destroy.jsonl"
     paths = ld.prepare()
     ld.stack_config(cfg, state, paths["model_dir"])
     ld.start_vm(state, paths["wheelhouse"], serving_config=cfg)
@@ -59,17 +64,24 @@ def main() -> int:
         if proc.returncode:
             raise SystemExit("pulumi up failed (its output is above)")
         rows = step_times(events)
+        ld.say("pulumi destroy -s local with the event log")
+        t0 = time.monotonic()
+        proc = ld.destroy(cfg, "--event-log", str(destroy_events), check=False)
+        destroy_wall = time.monotonic() - t0
+        if proc.returncode:
+            raise SystemExit("pulumi destroy failed (its output is above)")
+        gone = step_times(destroy_events)
     finally:  # the VM goes, and the stack's state with it (a temporary backend)
         ld.stop_vm(state)
-    timed = [r for r in rows if r["seconds"] is not None]
-    result = {"up_wall_s": round(wall, 1), "steps": rows,
-              "slowest": sorted(timed, key=lambda r: -r["seconds"])[:10],
+    result = {"up_wall_s": round(wall, 1), "steps": rows, "slowest": slowest(rows),
+              "destroy_wall_s": round(destroy_wall, 1), "destroy_steps": gone, "destroy_slowest": slowest(gone),
               "where": "test VM (QEMU TCG) restored from the serving snapshot, on this machine",
               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    for r in rows:
-        print(f"{r['start_s']:5d} s  +{r['seconds'] if r['seconds'] is not None else '?':>4} s  {r['op']:7} {r['name']}")
-    print(f"pulumi up: {wall:.0f} s")
+    for what, steps, took in (("up", rows, wall), ("destroy", gone, destroy_wall)):
+        for r in steps:
+            print(f"{r['start_s']:5d} s  +{r['seconds'] if r['seconds'] is not None else '?':>4} s  {r['op']:7} {r['name']}")
+        print(f"pulumi {what}: {took:.0f} s")
     return 0
 
 
