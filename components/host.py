@@ -52,7 +52,8 @@ def preflight_script(cfg: StackConfig, engine: bool = True) -> str:
         "host/preflight.sh.j2", tier=cfg.tier.name, config_key=f"fimfleet:{cfg.node_key}", min_memory_gib=needed_gib,
         steal_seconds=STEAL_SAMPLE_SECONDS, max_steal=h.max_steal_percent, cpu_tiers=cpu_tiers,
         gpu_model=h.gpu_model or "", gpu_memory_gib=h.gpu_memory_gib or 0, accepted_gpus=accepted,
-        min_gpu_mib=min_gpu_mib, **facts,
+        min_gpu_mib=min_gpu_mib, venv=cfg.runtime.venv_path if engine and cfg.runtime.kind == "systemd" else "",
+        **facts,
     )
 
 

@@ -331,3 +331,19 @@ def test_a_null_value_is_the_default_as_a_missing_key_is():
     assert (cfg.ingress.tls, cfg.sla.samples, cfg.engine.max_num_seqs) == (
         default.ingress.tls, default.sla.samples, default.engine.max_num_seqs)
     assert cfg.ingress.tls == "self-signed"
+
+
+@pytest.mark.parametrize("path", ["/.", "/./", "/usr/.", "/opt/./vllm", "/opt/../etc", "/opt/x/..", "//opt/x", "/opt//x",
+                                  "/opt/x/", "/", "/usr", "/usr/local", "/etc", "/var/lib", "/home", "/opt", "/tmp/venv",
+                                  "/proc/x", "/run/vllm", "/boot/v"])
+def test_a_venv_path_whose_replace_or_destroy_would_reach_past_fimfleets_own_is_refused(path):
+    """The install replaces runtime.venvPath and destroy deletes it (`/.` deleted the host's
+    /etc, /usr... 4 levels down under the docker runtime, which installs no venv at all)."""
+    for kind in ({}, {"kind": "docker", "image": "vllm/vllm-openai-cpu:v0.32.0"}):
+        raw, secret = raw_config(runtime={"venvPath": path, **kind})
+        assert [p.key for p in problems_of(raw, secret)] == ["runtime.venvPath"], path
+
+
+@pytest.mark.parametrize("path", ["/opt/fimfleet/vllm", "/srv/vllm", "/home/deploy/venv", "/vllm", "/opt/a.b/c_d+e-f"])
+def test_a_venv_path_of_its_own_is_accepted(path):
+    assert parse(runtime={"venvPath": path}).runtime.venv_path == path

@@ -91,13 +91,17 @@ class Result:
         return json.loads(self.out.strip().splitlines()[-1])
 
 
-def preflight(tier: str, fake: FakeHost, tmp_path: Path, host_override: dict | None = None, **sections) -> Result:
-    """Render for `tier` (+ config `sections`), run against `fake`; `host_override` sets parsed
-    host fields directly, past config validation, to test the template's quoting alone."""
+def preflight(tier: str, fake: FakeHost, tmp_path: Path, host_override: dict | None = None,
+              runtime_override: dict | None = None, **sections) -> Result:
+    """Render for `tier` (+ config `sections`), run against `fake`; `host_override` and
+    `runtime_override` set parsed fields directly, past config validation (to test the template's
+    quoting alone, or to point a path into the test's temp dir)."""
     raw, secret = raw_config(tier, **sections)
     cfg = config.parse(raw, secret)
     if host_override:
         cfg = dataclasses.replace(cfg, host=dataclasses.replace(cfg.host, **host_override))
+    if runtime_override:
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, **runtime_override))
     body = host.preflight_script(cfg)
     env = fake.build(tmp_path)
     proc = subprocess.run([shutil.which("bash"), "-s"], input="set -euo pipefail\n" + body, env=env,
@@ -240,6 +244,24 @@ def test_small_host_lists_every_problem(tmp_path):
     err = fails(preflight("cpu-epyc-prod", fake, tmp_path), "host has 8 GiB RAM", "host has 4 CPUs, the stack expects 32",
                 "host has 2 NUMA nodes, the stack expects 1", "fimfleet:host.memoryGiB", "fimfleet:host.numaNodes")
     assert "nvidia-smi" not in err
+
+
+def test_a_venv_path_holding_something_else_stops_before_anything_changes(tmp_path):
+    """The install replaces runtime.venvPath and destroy deletes it: a directory there that
+    fimfleet did not install (no stamp) is refused by the read-only preflight."""
+    tier = "cpu-epyc-prod"
+    theirs = tmp_path / "srv" / "app"
+    (theirs / "data").mkdir(parents=True)
+    err = fails(preflight(tier, FakeHost.for_tier(tier), tmp_path / "a", runtime_override={"venv_path": str(theirs)}),
+                f"{theirs} is there and is not a venv fimfleet installed", "fimfleet:runtime.venvPath")
+    assert (theirs / "data").is_dir()
+    (theirs / ".fimfleet-lock").write_text("0123456789abcdef\n")  # one fimfleet installed: replaced, as always
+    passes(preflight(tier, FakeHost.for_tier(tier), tmp_path / "b", runtime_override={"venv_path": str(theirs)}))
+    passes(preflight(tier, FakeHost.for_tier(tier), tmp_path / "c", runtime_override={"venv_path": str(tmp_path / "new")}))
+    # the docker runtime installs no venv: the path is not its concern
+    passes(preflight(tier, FakeHost.for_tier(tier), tmp_path / "d",
+                     runtime={"kind": "docker", "image": "vllm/vllm-openai-cpu:v0.32.0"},
+                     runtime_override={"venv_path": str(theirs / "data")}))
 
 
 def test_avx2_tier_decode_sla_sits_under_its_ceiling():
