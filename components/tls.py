@@ -27,6 +27,15 @@ RENEW_BEFORE_DAYS = 30
 NAME_KEYS = ("commonName", "dnsNames", "ipAddresses")
 
 
+CN_MAX = 64
+"""RFC 5280's upper bound on a commonName; the names clients check are the subjectAltNames."""
+
+
+def _cn(text: str) -> str:
+    """A commonName within CN_MAX: a long domain (up to 253 characters) is shortened there only."""
+    return text if len(text) <= CN_MAX else text[:CN_MAX - 3] + "..."
+
+
 def issue(common_name: str, dns_names: list[str], ip_addresses: list[str],
           days: int = MAX_VALIDITY_DAYS) -> dict[str, str]:
     """Return caPem, certPem, keyPem (PEM strings) and notAfter for a server certificate signed by a fresh CA."""
@@ -39,7 +48,7 @@ def issue(common_name: str, dns_names: list[str], ip_addresses: list[str],
 
     now = dt.datetime.now(dt.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"fimfleet CA {common_name}")])
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _cn(f"fimfleet CA {common_name}"))])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
           .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
           .not_valid_after(now + dt.timedelta(days=days))
@@ -51,7 +60,7 @@ def issue(common_name: str, dns_names: list[str], ip_addresses: list[str],
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     sans = [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _cn(common_name))]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)

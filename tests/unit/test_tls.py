@@ -115,3 +115,17 @@ def test_provider_class_path_is_stable_for_dill():
     assert (tls.SelfSignedProvider.__module__, tls.SelfSignedProvider.__qualname__) == ("components.tls", "SelfSignedProvider")
     clone = dill.loads(dill.dumps(tls.SelfSignedProvider(), recurse=True))
     assert clone.diff("id", state(certPem=None), dict(NAMES)).replaces == ["notAfter"]
+
+
+@pytest.mark.parametrize("domain", ["a" * 41 + ".example.com", ".".join(["b" * 63] * 3) + ".example.com"])
+def test_a_domain_longer_than_a_common_name_gets_its_certificate(domain):
+    """ingress.domain may be 253 characters, a commonName 64 (RFC 5280): `fimfleet CA <domain>`
+    failed in cryptography with a traceback from 53 on. The subjectAltName carries the whole name."""
+    out = tls.issue(domain, [domain], [])
+    leaf, ca = x509.load_pem_x509_certificates(out["certPem"].encode())
+    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert sans == [domain]
+    for c in (leaf, ca):
+        cn = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+        assert len(cn) <= tls.CN_MAX
+    assert leaf.issuer == ca.subject
