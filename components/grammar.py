@@ -48,7 +48,8 @@ THP_NAMES = re.compile(r".*(transparent_hugepage|khugepaged|(^|[._])thp([._]|$))
 
 @lru_cache(maxsize=1)
 def known_sysctls() -> frozenset[str]:
-    """sysctl names of a current Linux (find /proc/sys -type f): a misspelt or removed name fails at preview."""
+    """Writable sysctl names of a current Linux (find /proc/sys -type f -perm -200): a misspelt,
+    removed or read-only name fails at preview."""
     text = (Path(__file__).with_name("data") / "sysctl-keys.txt").read_text()
     return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
 
@@ -161,12 +162,15 @@ def sysctl_name(v) -> str | None:
         return ("transparent huge pages are not a sysctl; fimfleet sets THP in sysfs itself "
                 "(madvise); remove this key")
     if v not in known_sysctls():
-        return "no such sysctl in current Linux kernels (misspelt or removed); check the name with `sysctl -a` on the host"
+        return ("no such sysctl in current Linux kernels (misspelt or removed), or a read-only one like fs.file-nr; "
+                "check the name with `sysctl -a` on the host")
     return None
 
 
 def sysctl_value(v) -> str | None:
-    s = str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    if isinstance(v, float):
+        return "must be a whole number (the kernel takes no decimals), or words like `4096 87380 16777216`"
+    s = str(v) if isinstance(v, int) and not isinstance(v, bool) else v
     if _full(SYSCTL_VALUE, s):
         return None
     return "must be a number or words of letters, digits and ._:,/+- separated by single spaces"

@@ -99,6 +99,11 @@ BAD = [
     ({"kernel": {"sysctl": {"vm.swapiness": 1}}}, "kernel.sysctl.vm.swapiness", "no such sysctl"),
     ({"kernel": {"sysctl": {"kernel.sched_migration_cost_ns": 500000}}}, "kernel.sysctl.kernel.sched_migration_cost_ns", "no such sysctl"),
     ({"kernel": {"sysctl": {"vm.transparent_hugepage": "never"}}}, "kernel.sysctl.vm.transparent_hugepage", "not a sysctl"),
+    # read-only: `sysctl -p` fails on them on the host
+    ({"kernel": {"sysctl": {"fs.file-nr": 1}}}, "kernel.sysctl.fs.file-nr", "read-only"),
+    ({"kernel": {"sysctl": {"kernel.osrelease": "6.1"}}}, "kernel.sysctl.kernel.osrelease", "read-only"),
+    ({"kernel": {"sysctl": {"kernel.random.uuid": "x"}}}, "kernel.sysctl.kernel.random.uuid", "read-only"),
+    ({"kernel": {"sysctl": {"vm.swappiness": 1.5}}}, "kernel.sysctl.vm.swappiness", "whole number"),
     ({"host": {"address": "203.0.113.10", "bastion": {"address": "198.51.100.1", "port": "22x"}}}, "host.bastion.port", "between 1"),
     ({"host": {"address": "203.0.113.10", "bastion": {"address": "198.51.100.1", "user": "ops;id"}}}, "host.bastion.user", "user name"),
     ({"engine": {"port": 443}}, "engine.port", "differ"),
