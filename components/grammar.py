@@ -72,6 +72,11 @@ def ip(v) -> bool:
         return False
 
 
+def url_host(host: str) -> str:
+    """A host as a URL names it: an IPv6 address in brackets (RFC 3986), anything else as it is."""
+    return f"[{ipaddress.ip_address(host)}]" if ip(host) and ipaddress.ip_address(host).version == 6 else host
+
+
 def address(v) -> str | None:
     """An IP address or a DNS name: where SSH connects, and what a certificate names."""
     return None if ip(v) else (None if hostname(v) is None else

@@ -69,7 +69,7 @@ def public_name(args: IngressArgs, address: str) -> str:
 
 
 def endpoint_url(host: str, port: int) -> str:
-    return f"https://{host}" if port == 443 else f"https://{host}:{port}"
+    return f"https://{grammar.url_host(host)}" + ("" if port == 443 else f":{port}")
 
 
 def spec_for(args: IngressArgs, server_name: str, cert_path: str, key_path: str,

@@ -325,3 +325,24 @@ def test_error_message_names_value_and_fix(tmp_path, tls):
         make_spec(tmp_path, tls, metrics_allow_cidrs=("192.168.10.5/24",))
     with pytest.raises(ValueError, match=r"metrics_allow_cidrs: invalid value '::/0'.*whole internet"):
         make_spec(tmp_path, tls, metrics_allow_cidrs=("::/0",))
+
+
+def test_an_ipv6_host_is_named_in_brackets_in_every_url(tmp_path, tls):
+    """host.address may be an IPv6 address: `https://2001:db8::10:8443` is no URL (the SLA probe's
+    aiohttp, the editors' apiBase and the HTTP redirect all failed on it)."""
+    from urllib.parse import urlsplit
+
+    import yarl
+
+    from components.ingress import endpoint_url
+
+    url = endpoint_url("2001:db8::10", 8443)
+    assert url == "https://[2001:db8::10]:8443"
+    assert urlsplit(url).port == 8443 and yarl.URL(url).host == "2001:db8::10"
+    assert endpoint_url("2001:db8::10", 443) == "https://[2001:db8::10]"
+    assert endpoint_url("203.0.113.10", 8443) == "https://203.0.113.10:8443"
+    spec = make_spec(tmp_path / "prefix", tls, server_name="2001:db8::10")
+    site = write_render(spec)[SITE]
+    assert "return 301 https://[2001:db8::10]:18443$request_uri;" in site
+    assert "https://2001:db8" not in site
+    assert nginx_t(tmp_path / "prefix").returncode == 0
