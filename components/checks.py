@@ -14,7 +14,7 @@ from components import grammar, keys, models, sizing
 from components.cloud_types import CLOUD_PROVIDERS
 from components.config import PORT, Problem, camel
 
-CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)$")
+CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)\Z")
 
 def _have(*values) -> bool:
     """Cross-field checks compare only values that passed their own type check (bad ones are None)."""
@@ -65,6 +65,9 @@ def check_model(model, tier, problems):
                                 "on this AVX2 tier use int8 or bf16"))
     _grammar(problems, "model.servedName", model.served_name, grammar.served_name)
     _grammar(problems, "model.revision", model.revision, grammar.revision)
+    if model.revision and model.source == "local":
+        problems.append(Problem("model.revision", model.revision, "pins a Hugging Face revision (vLLM's --revision); "
+                                "a local model directory is used as it is: remove model.revision"))
     if model.source == "local":
         if not model.local_path:
             problems.append(Problem("model.localPath", model.local_path, "set the local model directory to copy to the host"))
@@ -178,6 +181,11 @@ def check_ingress(ingress, secrets, problems):
     for i, c in enumerate(ingress.metrics_allow_cidrs or ()):
         _grammar(problems, f"ingress.metricsAllowCidrs[{i}]", c if c else "<empty>", grammar.cidr)
     _grammar(problems, "ingress.domain", ingress.domain, grammar.hostname)
+    if isinstance(ingress.domain, str) and grammar.hostname(ingress.domain) is None and \
+            (ingress.domain != ingress.domain.lower() or ingress.domain.endswith(".")):
+        problems.append(Problem("ingress.domain", ingress.domain, "write it in lower case without a trailing dot "
+                                f"({ingress.domain.lower().rstrip('.')}): certbot files its certificate under that "
+                                "form, and the ingress would look for it under this one"))
     if _have(ingress.https_port, ingress.http_port) and ingress.https_port == ingress.http_port:
         problems.append(Problem("ingress.httpPort", ingress.http_port, "must differ from ingress.httpsPort"))
     if ingress.tls == "provided" and not (secrets.tls_cert and secrets.tls_key):
@@ -196,12 +204,19 @@ def check_kernel(kernel, problems):
             problems.append(Problem(f"kernel.sysctl.{k}", v, msg))
 
 
-def check_sla_fits_the_ingress(sla, ingress, problems):
-    """The SLA probe comes from one address: more streams than limit_conn allows would get 429s."""
-    if _have(sla.concurrency, ingress.max_conns_per_address) and sla.concurrency > ingress.max_conns_per_address:
+def check_sla_fits_the_ingress(sla, ingress, problems, nodes: int = 1):
+    """The SLA probe comes from one address: more streams than limit_conn allows would get 429s.
+    Behind a gateway (`nodes` > 1) the fleet's check runs `concurrency` streams per node through
+    it, and the gateway's site has the same limit."""
+    if not _have(sla.concurrency, ingress.max_conns_per_address):
+        return
+    streams = sla.concurrency * nodes
+    if streams > ingress.max_conns_per_address:
+        fleet = f" times {nodes} nodes behind the gateway ({streams} streams in the fleet's check)" if nodes > 1 else ""
         problems.append(Problem("sla.concurrency", sla.concurrency,
-                                f"must not exceed ingress.maxConnsPerAddress ({ingress.max_conns_per_address}): the probe "
-                                "runs from one address; raise that limit or lower the concurrency"))
+                                f"{fleet and fleet.lstrip() + ' '}must not exceed ingress.maxConnsPerAddress "
+                                f"({ingress.max_conns_per_address}): the probe runs from one address; raise that limit "
+                                "or lower the concurrency"))
 
 
 def check_sla_ceiling(sla, runtime, model, spec, problems):

@@ -417,7 +417,7 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     checks.check_sla_order(sla, problems)
     checks.check_kernel(sec["kernel"], problems)
     checks.check_ports(engine, ingress, problems)
-    checks.check_sla_fits_the_ingress(sla, ingress, problems)
+    checks.check_sla_fits_the_ingress(sla, ingress, problems, len(nodes) if sec["gateway"].host else 1)
     checks.check_sla_ceiling(sla, runtime, model, model_spec, problems)
 
     if problems:

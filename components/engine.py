@@ -62,6 +62,8 @@ def render(cfg: StackConfig, model_path: str) -> EngineLaunch:
         "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
         "--enable-chunked-prefill" if e.enable_chunked_prefill else "--no-enable-chunked-prefill",
     ]
+    if cfg.model.revision and cfg.model.source != "local":
+        args += ["--revision", cfg.model.revision]  # vLLM pins the tokenizer to it too
     if quant.vllm_method:
         args += ["--quantization", quant.vllm_method]
     if e.kv_cache_dtype != "auto":

@@ -23,12 +23,17 @@ EMAIL = re.compile(rf"[A-Za-z0-9._%+-]{{1,64}}@{_HOST_LABEL}(?:\.{_HOST_LABEL})+
 IMAGE_REF = re.compile(
     r"(?:(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?)/)?"
     r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
-    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?")
+    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?", re.ASCII)
 ABS_PATH = re.compile(r"/(?:[A-Za-z0-9._+-]+/?)*")
 LOCAL_PATH = re.compile(r"[A-Za-z0-9._+/~-]+")
 SYSCTL_NAME = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)+")
 SYSCTL_VALUE = re.compile(r"[A-Za-z0-9_.:,/+-]+(?: [A-Za-z0-9_.:,/+-]+)*")
-URL = re.compile(r"https?://[A-Za-z0-9.-]+(?::[0-9]{1,5})?(?:/[A-Za-z0-9._~%/+-]*)?")
+URL = re.compile(r"https?://[A-Za-z0-9.-]+(?::[0-9]{1,5})?(?:/(?:[A-Za-z0-9._~/+-]|%[0-9A-Fa-f]{2})*)?")
+_URL_CHARS = r"(?:[A-Za-z0-9._~!&()*+,;=:@/-]|%[0-9A-Fa-f]{2})"
+WEBHOOK_URL = re.compile(rf"https?://(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{{1,5}})?(?:/{_URL_CHARS}*)?"
+                         rf"(?:\?(?:{_URL_CHARS}|\?)*)?")
+"""An RFC 3986 URL with a query (chat webhooks carry tokens there): '%' only as an escape, no
+quotes, backslashes, '$', spaces or fragments; what Go's url.Parse in Alertmanager accepts."""
 SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(?:/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -65,6 +70,8 @@ def hostname(v) -> str | None:
 
 
 def ip(v) -> bool:
+    if not isinstance(v, str):  # ipaddress takes an int (3232235521) or a bool as an address too
+        return False
     try:
         ipaddress.ip_address(v)
         return True
@@ -183,6 +190,11 @@ def sysctl_value(v) -> str | None:
 
 def url(v) -> str | None:
     return None if _full(URL, v) else "must be an http(s) URL like https://pypi.example.com/simple (no spaces or quotes)"
+
+
+def webhook_url(v) -> str | None:
+    return None if _full(WEBHOOK_URL, v) else ("must be an http(s) URL like https://hooks.example.com/services/T0/B0/x?token=y "
+                                              "('%' only before two hex digits; no spaces, quotes, backslashes or '#')")
 
 
 def served_name(v) -> str | None:

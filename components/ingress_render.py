@@ -27,7 +27,7 @@ from components import grammar, nginx_base
 from components.gateway_render import DRAINED_RETRY_AFTER_S, FLEET_PROBE_KEY_NAME, FLEET_TLS_NAME, FleetUpstream
 from components.nginx_base import MAIN_CONF, SITES_DIR, NginxBase, address_port, check_int, check_path, int_problem
 
-_SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
+_SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?\Z")
 
 SSL_ECDH_CURVES = "X25519:prime256v1:secp384r1"
 """Mozilla intermediate key-exchange groups (guidelines 5.7-6.0). 6.0 also lists the hybrid
@@ -165,9 +165,16 @@ def _redact(key: object) -> str:
     return f"<secret of {len(key)} chars>"
 
 
+SIZE_MAX_BYTES = 2**63 - 1
+"""nginx parses a size into an off_t: anything larger is `invalid value` at nginx -t."""
+_UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3}
+
+
 def _size_problem(value: object) -> Optional[str]:
     if not isinstance(value, str) or not _SIZE_RE.match(value):
         return "use an nginx size such as '144k' or '1m'"
+    if int(value.rstrip("kKmMgG")) * _UNITS.get(value[-1].lower(), 1) > SIZE_MAX_BYTES:
+        return "is larger than nginx can read (8589934591g at most); a FIM request needs kilobytes, e.g. '1m'"
     return None
 
 

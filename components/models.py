@@ -134,6 +134,13 @@ QUANTIZATIONS: dict[str, Quantization] = {
 
 def spec_from_hf_config(name: str, config: dict, params: int | None = None) -> ModelSpec:
     """Build a ModelSpec from a Hugging Face config.json (used for local model directories)."""
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not a JSON object")
+    for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size",
+              "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = config.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"config.json's {k} is {v!r}, not a positive whole number")
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     layers = config["num_hidden_layers"]
@@ -141,19 +148,19 @@ def spec_from_hf_config(name: str, config: dict, params: int | None = None) -> M
     tied = bool(config.get("tie_word_embeddings", False))
     if params is None:
         inter = config["intermediate_size"]
-        kv = config.get("num_key_value_heads", heads)
-        head_dim = config.get("head_dim", hidden // heads)
+        kv = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
         attn = hidden * heads * head_dim + 2 * hidden * kv * head_dim + heads * head_dim * hidden
         mlp = 3 * hidden * inter
         params = layers * (attn + mlp + 2 * hidden) + vocab * hidden * (1 if tied else 2) + hidden
     return ModelSpec(
         name=name,
         layers=layers,
-        kv_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim", hidden // heads),
+        kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
         params=params,
         embedding_params=vocab * hidden * (1 if tied else 2),
-        max_context=config.get("max_position_embeddings", 32768),
+        max_context=config.get("max_position_embeddings") or 32768,
         attention_heads=heads,
     )
 
@@ -165,7 +172,9 @@ def load_local_spec(name: str, model_dir: str | Path) -> ModelSpec:
     spec = spec_from_hf_config(name, json.loads(path.read_text()))
     tok_path = Path(model_dir) / "tokenizer_config.json"
     tok = json.loads(tok_path.read_text()) if tok_path.is_file() else {}
-    added = {t.get("content") for t in (tok.get("added_tokens_decoder") or {}).values() if isinstance(t, dict)}
+    decoder = tok.get("added_tokens_decoder") if isinstance(tok, dict) else None
+    added = {t.get("content") for t in decoder.values() if isinstance(t, dict)} if isinstance(decoder, dict) else set()
+    tok = tok if isinstance(tok, dict) else {}
     fim = QWEN_FIM if set(QWEN_FIM.tokens()) <= added else None
     chat = bool(tok.get("chat_template")) or (Path(model_dir) / "chat_template.jinja").is_file()
     return replace(spec, fim=fim, chat=chat)

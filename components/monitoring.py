@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import pulumi
 
-from components import templates
+from components import grammar, templates
 from components.config import ConfigError, Problem, camel
 from components.monitoring_args import (CONFIG_DIR, HELPER_STATE, MONITOR_RUN_DIR, TEXTFILE_DIR, ExporterArgs,  # noqa: F401
                                         ExporterTarget, MonitoringArgs, ScrapeNode, args_for)
@@ -39,15 +39,15 @@ RULE_GROUPS = ("fimfleet-vllm", "fimfleet-host", "fimfleet-probe", "fimfleet-lim
 VMSTAT_FIELDS = "^(oom_kill|pgpg|pswp|pg.*fault|thp_.*).*"
 """Debian's default vmstat fields plus the THP counters (thp_fault_alloc, thp_collapse_alloc, ...)."""
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-UNIT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}\.service$")
-DURATION_RE = re.compile(r"^[1-9][0-9]{0,5}[smhdw]$")
-PATH_RE = re.compile(r"^/[A-Za-z0-9_./-]*$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
+UNIT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}\.service\Z")
+DURATION_RE = re.compile(r"^[1-9][0-9]{0,5}[smhdw]\Z")
+PATH_RE = re.compile(r"^/[A-Za-z0-9_./-]*\Z")
 LOOPBACK = ("127.0.0.1", "[::1]", "localhost")
 NAME_FIX = "must be a name of letters, digits, '.', '_' or '-'"
 
 
-HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+)(?::([0-9]{1,5}))?$")
+HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+)(?::([0-9]{1,5}))?\Z")
 
 
 def _split_hostport(value: str) -> tuple[str, int] | None:
@@ -75,7 +75,7 @@ def problems(args: MonitoringArgs) -> list[Problem]:
         if u.scheme != "https" or not HOSTPORT_RE.match(u.netloc) or not PATH_RE.match(u.path or "/") or u.query:
             out.append(Problem(f"{key}.metricsUrl", n.metrics_url, "must be the ingress's https URL, like https://10.0.0.5/metrics"))
             continue
-        if n.server_name and not re.match(r"^[A-Za-z0-9.-]+$", n.server_name):
+        if n.server_name and not re.match(r"^[A-Za-z0-9.-]+\Z", n.server_name):
             out.append(Problem(f"{key}.serverName", n.server_name, "must be a DNS name"))
         try:
             nets = [ipaddress.ip_network(c, strict=False) for c in n.allow_cidrs]
@@ -103,8 +103,8 @@ def problems(args: MonitoringArgs) -> list[Problem]:
         (("scrape_interval_s", "evaluation_interval_s", "probe_interval_s", "restart_loop_count", "cert_alert_days"),
          _number(1, 3600, whole=True),
          "must be a whole number from 1 to 3600"),
-        (("alertmanager_webhook_url",), lambda v: not v or re.match(r"^https?://[^\s\"'\\]+$", v),
-         "must be an http(s) URL, or empty to leave Alertmanager off"),
+        (("alertmanager_webhook_url",), lambda v: not v or grammar.webhook_url(v) is None,
+         grammar.webhook_url("") + ", or empty to leave Alertmanager off"),
         (("config_dir", "textfile_dir"), PATH_RE.match, "must be an absolute path")))
 
 

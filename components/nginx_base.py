@@ -43,7 +43,7 @@ LEGACY_FILES = ("fimfleet-keys.conf", "fimfleet-site.conf")
 """The single-node layout's site and keys, in conf_dir, which the old main config included."""
 
 # absolute path without whitespace, quotes, ';', '{', '}', '$', '#' or backslash
-_PATH_RE = re.compile(r"^/[A-Za-z0-9._+@%,:=/-]*$")
+_PATH_RE = re.compile(r"^/[A-Za-z0-9._+@%,:=/-]*\Z")
 
 
 def address_port(host: str, port: int) -> str:

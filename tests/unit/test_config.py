@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from components import config, grammar, passphrase
-from tests.helpers import API_KEY, raw_config
+from tests.helpers import API_KEY, TINY_CONFIG, raw_config
 
 
 def parse(**sections):
@@ -99,6 +99,20 @@ BAD = [
     ({"kernel": {"sysctl": {"vm.swapiness": 1}}}, "kernel.sysctl.vm.swapiness", "no such sysctl"),
     ({"kernel": {"sysctl": {"kernel.sched_migration_cost_ns": 500000}}}, "kernel.sysctl.kernel.sched_migration_cost_ns", "no such sysctl"),
     ({"kernel": {"sysctl": {"vm.transparent_hugepage": "never"}}}, "kernel.sysctl.vm.transparent_hugepage", "not a sysctl"),
+    # Each passed its grammar and failed later on the host (an adversarial review, 2026-12-07).
+    ({"monitoring": {"alertmanagerWebhookUrl": "https://hooks.example.com/x\n"}}, "monitoring.alertmanagerWebhookUrl", "http"),
+    ({"monitoring": {"alertmanagerWebhookUrl": "https://hooks.example.com/%zz"}}, "monitoring.alertmanagerWebhookUrl", "hex"),
+    ({"monitoring": {"alertmanagerWebhookUrl": "https://{x}/a"}}, "monitoring.alertmanagerWebhookUrl", "http"),
+    ({"ingress": {"clientMaxBodySize": "8589934592g"}}, "ingress.clientMaxBodySize", "larger than nginx"),
+    ({"ingress": {"clientMaxBodySize": "99999999999999999999"}}, "ingress.clientMaxBodySize", "larger than nginx"),
+    ({"ingress": {"clientMaxBodySize": "256k\n"}}, "ingress.clientMaxBodySize", "size"),
+    ({"runtime": {"kind": "docker", "image": "vllm/vllm-openai-cpu:v0.32.0-\u00e9"}}, "runtime.image", "image reference"),
+    ({"host": {"address": "203.0.113.10", "bastion": {"address": 3232235521}}}, "host.bastion.address", "IP address"),
+    ({"host": {"address": "203.0.113.10", "bastion": {"address": True}}}, "host.bastion.address", "IP address"),
+    ({"engine": {"threadsBind": "0-3\n"}}, "engine.threadsBind", "CPU list"),
+    ({"ingress": {"tls": "acme", "domain": "Code.Example.com", "acmeEmail": "ops@example.com"}}, "ingress.domain",
+     "code.example.com"),
+    ({"ingress": {"domain": "code.example.com."}}, "ingress.domain", "trailing dot"),
     # read-only: `sysctl -p` fails on them on the host
     ({"kernel": {"sysctl": {"fs.file-nr": 1}}}, "kernel.sysctl.fs.file-nr", "read-only"),
     ({"kernel": {"sysctl": {"kernel.osrelease": "6.1"}}}, "kernel.sysctl.kernel.osrelease", "read-only"),
@@ -352,3 +366,49 @@ def test_a_venv_path_whose_replace_or_destroy_would_reach_past_fimfleets_own_is_
 @pytest.mark.parametrize("path", ["/opt/fimfleet/vllm", "/srv/vllm", "/home/deploy/venv", "/vllm", "/opt/a.b/c_d+e-f"])
 def test_a_venv_path_of_its_own_is_accepted(path):
     assert parse(runtime={"venvPath": path}).runtime.venv_path == path
+
+
+@pytest.mark.parametrize("url", ["https://hooks.slack.com/services/T000/B000/XXXX", "http://10.0.0.5:9095/hook",
+                                 "https://chat.example.com/api/v1/hook?token=a%2Fb&room=ops"])
+def test_webhook_urls_people_use_are_accepted(url):
+    assert parse(monitoring={"alertmanagerWebhookUrl": url}).monitoring.alertmanager_webhook_url == url
+
+
+@pytest.mark.parametrize("config_json, tokenizer_json", [
+    ({**TINY_CONFIG, "num_attention_heads": 0}, None),      # was ZeroDivisionError
+    ({**TINY_CONFIG, "hidden_size": "128"}, None),
+    ({**TINY_CONFIG, "num_hidden_layers": True}, None),
+    ([1, 2], None),                                          # was AttributeError
+    ("not json {", None),
+])
+def test_a_local_model_directory_that_is_no_model_is_one_clear_error(tmp_path, config_json, tokenizer_json):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(config_json if isinstance(config_json, str) else json.dumps(config_json))
+    raw, secret = raw_config("local-vm", model={"source": "local", "localPath": str(d), "servedName": "m"})
+    found = {p.key: p for p in problems_of(raw, secret)}
+    assert "model.localPath" in found and "config.json" in found["model.localPath"].fix, found
+
+
+@pytest.mark.parametrize("tokenizer", [{"added_tokens_decoder": [1, 2]}, [1], {"added_tokens_decoder": None}])
+def test_a_tokenizer_config_of_another_shape_means_no_fim_tokens_not_a_traceback(tmp_path, tokenizer):
+    from components import models
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**TINY_CONFIG, "head_dim": None}))
+    (d / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    spec = models.load_local_spec("m", d)
+    assert spec.fim is None and spec.head_dim == 64
+
+
+def test_a_pinned_revision_reaches_the_engine_and_a_local_model_has_none():
+    """model.revision was validated and then used nowhere: the engine loaded the branch's head."""
+    from components import engine
+
+    cfg = parse(model={"revision": "a1b2c3d"})
+    args = engine.render(cfg, cfg.model.id).args
+    assert args[args.index("--revision") + 1] == "a1b2c3d"
+    assert "--revision" not in engine.render(parse(), "m").args
+    raw, secret = raw_config("local-vm", model={"source": "local", "localPath": "/nonexistent/m", "revision": "main"})
+    assert "model.revision" in {p.key for p in problems_of(raw, secret)}

@@ -192,6 +192,19 @@ def test_bad_gateways_name_key_value_and_fix(gw, ingress, key, word):
     assert key in found and word in found[key], found
 
 
+def test_the_fleets_check_through_the_gateway_must_fit_its_connection_limit():
+    """The fleet's SLA check runs sla.concurrency streams per node from one address through the
+    gateway, whose site has ingress.maxConnsPerAddress: 3 x 4 streams against 8 got 429s."""
+    sections = dict(nodes=NODES, sla={"concurrency": 4}, ingress={"maxConnsPerAddress": 8})
+    raw, secret = raw_config(gateway=OWN, **sections)
+    with pytest.raises(config.ConfigError) as err:
+        config.parse(raw, secret)
+    found = {p.key: p.fix for p in err.value.problems}
+    assert "3 nodes behind the gateway (12 streams" in found["sla.concurrency"], found
+    config.parse(*raw_config(**sections))  # without a gateway each node's check runs 4 streams: they fit
+    config.parse(*raw_config(gateway=OWN, **{**sections, "ingress": {"maxConnsPerAddress": 12}}))
+
+
 def test_every_step_that_changes_a_hosts_nginx_holds_the_same_lock():
     """The node's site, the host's main config and the gateway's rotation share one nginx: each
     `nginx -t` must see the others' files whole, so each step holds nginx_base.LOCK."""
