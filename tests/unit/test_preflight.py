@@ -252,8 +252,8 @@ def test_a_venv_path_holding_something_else_stops_before_anything_changes(tmp_pa
     tier = "cpu-epyc-prod"
     theirs = tmp_path / "srv" / "app"
     (theirs / "data").mkdir(parents=True)
-    err = fails(preflight(tier, FakeHost.for_tier(tier), tmp_path / "a", runtime_override={"venv_path": str(theirs)}),
-                f"{theirs} is there and is not a venv fimfleet installed", "fimfleet:runtime.venvPath")
+    fails(preflight(tier, FakeHost.for_tier(tier), tmp_path / "a", runtime_override={"venv_path": str(theirs)}),
+          f"{theirs} is there and is not a venv fimfleet installed", "fimfleet:runtime.venvPath")
     assert (theirs / "data").is_dir()
     (theirs / ".fimfleet-lock").write_text("0123456789abcdef\n")  # one fimfleet installed: replaced, as always
     passes(preflight(tier, FakeHost.for_tier(tier), tmp_path / "b", runtime_override={"venv_path": str(theirs)}))
