@@ -354,6 +354,12 @@ def test_07_impossible_sla_fails_up_and_node_keeps_serving(node):
 def test_07b_changed_host_key_is_refused_with_the_fix(node):
     impostor = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHYl9LXv+aq1wLQ0WqW7V8bT5pQ3Vq8aH1ZkFh6sYc1E"
     node.pulumi("config", "set", "--path", "fimfleet:host.hostKey", impostor, check=True)
+    # A pull request's preview of it: the host identity is an update, so every step's connection
+    # is unknown there; that is an update of each step, not a traceback in a provider's diff.
+    preview = node.pulumi("preview")
+    assert preview.returncode == 0 and "Traceback" not in preview.stdout + preview.stderr, shown(preview)
+    for step in ("node-host-identity", "node-kernel-apply", "node-runtime-service", "node-monitor-timer"):
+        assert re.search(rf"~ +\S+ {step} update", preview.stdout), f"{step}:\n{shown(preview)}"
     proc = node.pulumi("up", "--yes", "--skip-preview")
     text = proc.stdout + proc.stderr
     node.pulumi("config", "rm", "--path", "fimfleet:host.hostKey", check=True)
