@@ -38,6 +38,10 @@ def check_host(host, secrets, problems):
     elif host.kind == "local-vm" and not host.testbed_state:
         problems.append(Problem("host.testbedState", host.testbed_state, "set the testbed state dir (./fimfleet demo does this)"))
     _grammar(problems, "host.user", host.user, grammar.unix_user)
+    for i, flag in enumerate(host.cpu_flags if isinstance(host.cpu_flags, (list, tuple)) else ()):
+        if not (isinstance(flag, str) and re.fullmatch(r"[a-z0-9_]{1,32}", flag)):
+            problems.append(Problem(f"host.cpuFlags[{i}]", flag, "must be a flag as /proc/cpuinfo lists it, "
+                                    "in lower case (e.g. avx512f)"))
     _grammar(problems, "host.hostKey", host.host_key, grammar.ssh_public_key)
     _grammar(problems, "host.testbedState", host.testbed_state, grammar.local_path)
     b = host.bastion
@@ -108,6 +112,27 @@ def _extra_args(raw) -> list[tuple[str, str | None]]:
     return pairs
 
 
+_SETTINGS = {"model.id": ("--model",), "model.revision": ("--revision",), "model.servedName": ("--served-model-name",),
+             "model.quantization": ("--quantization",), "engine.port": ("--port",), "engine.dtype": ("--dtype",),
+             "engine.maxModelLen": ("--max-model-len",), "engine.maxNumSeqs": ("--max-num-seqs",),
+             "engine.maxNumBatchedTokens": ("--max-num-batched-tokens",), "engine.kvCacheDtype": ("--kv-cache-dtype",),
+             "engine.enforceEager": ("--enforce-eager",),
+             "engine.enablePrefixCaching": ("--enable-prefix-caching", "--no-enable-prefix-caching"),
+             "engine.enableChunkedPrefill": ("--enable-chunked-prefill", "--no-enable-chunked-prefill"),
+             "engine.tensorParallelSize": ("--tensor-parallel-size",),
+             "engine.gpuMemoryUtilization": ("--gpu-memory-utilization",)}
+BEHIND_NGINX = ("the engine listens on 127.0.0.1 only, behind nginx, which checks the users' keys (fimfleet:apiKeys); "
+                "it is not a setting")
+FLAGS_FIMFLEET_SETS = {**{f: f"is set by fimfleet from {k} (a second one would win in vLLM's parser and bypass "
+                             f"the checks on it): set {k} instead" for k, flags in _SETTINGS.items() for f in flags},
+                       "--host": BEHIND_NGINX, "--api-key": BEHIND_NGINX}
+"""Flags engine.render emits (or must never emit): in engine.extraArgs each would override fimfleet's own."""
+ENV_FIMFLEET_SETS = {"VLLM_CPU_KVCACHE_SPACE": "engine.kvCacheGib", "VLLM_CPU_OMP_THREADS_BIND": "engine.threadsBind",
+                     "VLLM_CPU_NUM_OF_RESERVED_CPU": "engine.reservedCpus", "LD_PRELOAD": "runtime.allocator",
+                     "HF_TOKEN": "the secret fimfleet:hfToken", "HF_HOME": "fimfleet (its model cache)",
+                     "HF_HUB_ENABLE_HF_TRANSFER": "fimfleet"}
+"""Engine environment that fimfleet sets from the config: engine.env would override it (the env file wins)."""
+
 FLAGS_FIMFLEET_NEEDS = {
     "--disable-log-stats": "freezes the /metrics counters that the monitor reads to tell a busy engine from a hung "
                            "one (components/monitor.py); drop it",
@@ -144,13 +169,17 @@ def check_engine(engine, host, tier, spec, problems):
                                     'each item is a flag like "--max-num-seqs", "--max-num-seqs=8", or the value after a flag'))
         elif flag in REMOVED_VLLM_FLAGS:
             problems.append(Problem("engine.extraArgs", shown, f"{flag} {REMOVED_VLLM_FLAGS[flag]}"))
-        elif flag in FLAGS_FIMFLEET_NEEDS:
-            problems.append(Problem("engine.extraArgs", shown, f"{flag} {FLAGS_FIMFLEET_NEEDS[flag]}"))
+        elif flag in FLAGS_FIMFLEET_NEEDS or flag in FLAGS_FIMFLEET_SETS:
+            why = FLAGS_FIMFLEET_NEEDS.get(flag) or FLAGS_FIMFLEET_SETS[flag]
+            problems.append(Problem("engine.extraArgs", shown, f"{flag} {why}"))
         elif value is not None and not re.fullmatch(r'[A-Za-z0-9_.:,/=+@{}\[\]"-]{1,1024}', value):
             problems.append(Problem("engine.extraArgs", shown, "flag values are letters, digits and _.:,/=+@{}[]\"- (no spaces, backslashes, %, $, ; or backticks)"))
     for k, v in (engine.env or {}).items():
         if msg := grammar.env_name(str(k)) or grammar.env_value(v):
             problems.append(Problem(f"engine.env.{k}", v, msg))
+        elif k in ENV_FIMFLEET_SETS:
+            problems.append(Problem(f"engine.env.{k}", v, f"is set by {ENV_FIMFLEET_SETS[k]}: set that instead "
+                                    "(an engine.env entry would override it past its checks)"))
 
 
 def check_runtime(runtime, tier, problems, secrets):
@@ -238,12 +267,47 @@ def check_sla_ceiling(sla, runtime, model, spec, problems):
                                 "(decode rate needs a second token)"))
 
 
-def check_ports(engine, ingress, problems):
-    """The engine listens on loopback, nginx on all addresses: one port cannot serve both."""
+def host_listeners(hosts: dict, monitoring) -> dict[int, str]:
+    """Ports that something besides nginx and the engine listens on, on a node's host (and the
+    gateway's): sshd on any address, the monitoring daemons on loopback. A socket on 0.0.0.0 and
+    one on 127.0.0.1 cannot share a port, so every one of these is taken for both."""
+    from components.monitoring_args import ExporterArgs, MonitoringArgs  # it reads config's types
+
+    taken = {h.port: f"{'nodes.' + n + '.port' if len(hosts) > 1 else 'host.port'} (sshd)"
+             for n, h in hosts.items() if h.kind != "local-vm" and isinstance(h.port, int)}
+    if monitoring.enabled:
+        daemons = [("Prometheus", MonitoringArgs.listen), ("node_exporter", ExporterArgs.listen)]
+        if monitoring.alertmanager_webhook_url:
+            daemons.append(("Alertmanager", MonitoringArgs.alertmanager_listen))
+        taken.update({int(a.rsplit(":", 1)[1]): f"{what} ({a})" for what, a in daemons})
+    return taken
+
+
+def check_ports(engine, ingress, hosts: dict, monitoring, problems, gateway=None, gateway_host=None):
+    """nginx listens on all addresses, the engine on loopback: one port cannot serve both, nor
+    sshd or a monitoring daemon beside them; the gateway's nginx neither, on its host."""
     for k in ("https_port", "http_port"):
         port = getattr(ingress, k)
         if _have(port, engine.port) and port == engine.port:
             problems.append(Problem("engine.port", engine.port, f"must differ from ingress.{camel(k)} ({port}); e.g. 8000"))
+    taken = host_listeners(hosts, monitoring)
+    free = next(p for p in range(8000, 65536) if p not in taken)
+    for key, port in (("engine.port", engine.port), ("ingress.httpsPort", ingress.https_port),
+                      ("ingress.httpPort", ingress.http_port)):
+        if _have(port) and port in taken:
+            problems.append(Problem(key, port, f"is where {taken[port]} listens on the host: pick another port, "
+                                    f"e.g. {free if key == 'engine.port' else 8443}"))
+    if gateway is None or not gateway.host or (gateway_host is None and gateway.host not in hosts):
+        return
+    beside = gateway_host is None  # beside a node: its sshd, engine and monitoring share the host
+    on_host = host_listeners({gateway.host: hosts[gateway.host]}, monitoring) if beside else \
+        {gateway_host.port: "gateway.host's sshd"} if isinstance(gateway_host.port, int) else {}
+    if beside and _have(engine.port):
+        on_host[engine.port] = f"the engine (engine.port, on node {gateway.host})"
+    for k in ("https_port", "http_port"):
+        if (port := getattr(gateway, k)) in on_host:
+            problems.append(Problem(f"gateway.{camel(k)}", port, f"is where {on_host[port]} listens on the gateway's "
+                                    "host: pick a port nothing else there uses"))
 
 
 def check_memory(spec, model, engine, host, tier, problems):
@@ -298,8 +362,22 @@ def check_api_keys(api_keys, problems) -> dict:
     return dict(api_keys)
 
 
-def check_sla_order(sla, problems) -> None:
+PROBE_TAG_TOKENS = 64
+"""Room for the FIM special tokens and the probe's per-request tag around its prompt."""
+
+
+def check_sla_limits(sla, engine, problems) -> None:
+    """Percentiles in order, and every probe request within the engine's context: vLLM answers
+    400 to a prompt plus max_tokens over max_model_len, which the gate would report as a miss."""
+    from components.sla.probe import ProbeConfig  # imported by the program already (the SLA provider)
+
     limits = (sla.ttft_p50_ms, sla.ttft_p95_ms, sla.ttft_p99_ms)
     if _have(*limits) and not limits[0] <= limits[1] <= limits[2]:
         problems.append(Problem("sla", {"ttftP50Ms": limits[0], "ttftP95Ms": limits[1], "ttftP99Ms": limits[2]},
                                 "percentile limits must not decrease: ttftP50Ms <= ttftP95Ms <= ttftP99Ms"))
+    # Qwen's BPE reads code at 3-4 characters a token: this many tokens at 4 and the tags, the least a prompt takes
+    prompt = ProbeConfig.max_prompt_chars // 4 + PROBE_TAG_TOKENS
+    if _have(sla.max_tokens, engine.max_model_len) and sla.max_tokens + prompt > engine.max_model_len:
+        problems.append(Problem("sla.maxTokens", sla.max_tokens, f"with the probe's prompts (about {prompt} tokens) "
+                                f"must fit engine.maxModelLen ({engine.max_model_len}): at most "
+                                f"{max(engine.max_model_len - prompt, 1)}, or raise engine.maxModelLen"))

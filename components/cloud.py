@@ -61,7 +61,8 @@ class InstanceArgs:
     """OpenSSH public key derived from the stack's sshPrivateKey (the private key never leaves the secret)."""
     admin_cidrs: tuple[str, ...]
     public_ports: tuple[int, ...]
-    """Open to anywhere: ingress.httpsPort and ingress.httpPort (ACME and the redirect)."""
+    """Open to anywhere: ingress.httpsPort and ingress.httpPort (the redirect), and 80 with ACME:
+    Let's Encrypt's HTTP-01 challenge comes to port 80 only, where certbot answers it itself."""
     domain: str
     dns_zone: str
     """When set, an A record for `domain` in this zone (Hetzner DNS or Route 53)."""
@@ -73,7 +74,9 @@ def instance_args(cfg: StackConfig) -> InstanceArgs:
     return InstanceArgs(
         provider=h.provider, region=h.region, instance_type=h.instance_type, image=h.image, gpu=bool(h.gpu_count),
         public_key=cloud_types.public_key(cfg.secrets.ssh_private_key), admin_cidrs=tuple(h.admin_cidrs),
-        public_ports=(cfg.ingress.https_port, cfg.ingress.http_port), domain=cfg.ingress.domain,
+        public_ports=tuple(dict.fromkeys((cfg.ingress.https_port, cfg.ingress.http_port,
+                                          *((80,) if cfg.ingress.tls == "acme" else ())))),
+        domain=cfg.ingress.domain,
         dns_zone=h.dns_zone, user_data=templates.render("cloud/cloud-init.yaml.j2"))
 
 

@@ -112,7 +112,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    port: int = key(check=PORT, default=8000)
+    port: int = key(check=_range(1024, 65535), default=8000)  # the engine's user has no capabilities
     max_model_len: int = key(check=_range(256, 1 << 20))
     max_num_seqs: int = key(check=_range(1, 4096))
     max_num_batched_tokens: int = key(check=_range(256, 1 << 22))
@@ -414,9 +414,9 @@ def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> Sta
     checks.check_runtime(runtime, tier, problems, secrets)
     checks.check_ingress(ingress, secrets, problems)
     sla = sec["sla"]
-    checks.check_sla_order(sla, problems)
+    checks.check_sla_limits(sla, engine, problems)
     checks.check_kernel(sec["kernel"], problems)
-    checks.check_ports(engine, ingress, problems)
+    checks.check_ports(engine, ingress, hosts, sec["monitoring"], problems, sec["gateway"], gw_host)
     checks.check_sla_fits_the_ingress(sla, ingress, problems, len(nodes) if sec["gateway"].host else 1)
     checks.check_sla_ceiling(sla, runtime, model, model_spec, problems)
 

@@ -84,6 +84,14 @@ def url_host(host: str) -> str:
     return f"[{ipaddress.ip_address(host)}]" if ip(host) and ipaddress.ip_address(host).version == 6 else host
 
 
+def same_host(address) -> str:
+    """One spelling per machine: IP addresses compressed, names in lower case without the root dot
+    (VPS1.example.com., vps1.example.com; 2001:DB8:0:0::1, 2001:db8::1)."""
+    if not isinstance(address, str):
+        return repr(address)
+    return ipaddress.ip_address(address).compressed if ip(address) else address.lower().rstrip(".")
+
+
 def address(v) -> str | None:
     """An IP address or a DNS name: where SSH connects, and what a certificate names."""
     return None if ip(v) else (None if hostname(v) is None else

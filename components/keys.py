@@ -26,7 +26,7 @@ RESERVED_PREFIX = "fimfleet_"
 
 def user_key_name(name: str) -> str | None:
     """None for a name a user may give a key, else the fix (fimfleet_* names are fimfleet's own)."""
-    if name.startswith(RESERVED_PREFIX):
+    if name.lower().startswith(RESERVED_PREFIX):  # nginx's map of key names matches without case
         return f"key names starting with {RESERVED_PREFIX} are reserved for fimfleet's own keys ({PROBE_KEY_NAME}); pick another name"
     return None
 

@@ -107,7 +107,7 @@ def check_distinct(hosts: dict, problems: list[Problem]) -> None:
     and only one of them can own the stack's DNS name."""
     seen: dict[tuple, str] = {}
     for name, h in hosts.items():
-        where = (h.address, h.port) if h.address else (("testbed", h.testbed_state) if h.testbed_state else None)
+        where = (grammar.same_host(h.address), h.port) if h.address else (("testbed", h.testbed_state) if h.testbed_state else None)
         if where is None:
             continue  # a cloud node: fimfleet creates its own instance
         if where in seen:
@@ -145,6 +145,10 @@ def check_gateway(gw, ingress, hosts: dict, own, problems: list[Problem]) -> Non
     ingress by its address."""
     if not gw.host:
         return
+    if ingress.tls != "self-signed":
+        problems.append(Problem("ingress.tls", ingress.tls, "behind a gateway each node serves fimfleet's self-signed "
+                                "certificate, whose CA the gateway trusts and whose fleet name it checks; ACME or "
+                                "your own certificate on the gateway is not supported yet: use self-signed"))
     if gw.host_key and own is None:
         problems.append(Problem("gateway.hostKey", gw.host_key, "is for a gateway on its own machine (gateway.host an "
                                 "address); beside a node, the node's hostKey is used: remove it"))
@@ -153,7 +157,7 @@ def check_gateway(gw, ingress, hosts: dict, own, problems: list[Problem]) -> Non
             problems.append(Problem("gateway.host", gw.host, f"a gateway on its own machine is reached over SSH, but "
                                     f"host.provider is {own.kind}: run it beside a node (gateway.host: {next(iter(hosts))})"))
         for name, h in hosts.items():
-            if h.address == gw.host:
+            if h.address and grammar.same_host(h.address) == grammar.same_host(gw.host):
                 problems.append(Problem("gateway.host", gw.host, f"is nodes.{name}'s address: to run the gateway "
                                         f"beside that node, name it (gateway.host: {name})"))
     elif gw.host not in hosts:

@@ -478,3 +478,17 @@ def test_cloud_init_step_waits_and_proves_password_login_is_off(tmp_path, cloud_
     assert (proc.returncode == 0) == ok, proc.stderr
     if not ok:
         assert "cloud-init" in proc.stderr or "passwordauthentication" in proc.stderr
+
+
+def test_acme_on_a_cloud_host_opens_port_80_for_the_challenge_whatever_the_http_port():
+    """Let's Encrypt's HTTP-01 challenge comes to port 80 only (certbot --standalone answers it
+    there): with ingress.httpPort 8080 the firewall let in 443 and 8080, and no certificate came."""
+    from components import cloud
+
+    tls = {"tls": "acme", "domain": "code.example.com", "acmeEmail": "ops@example.com"}
+    for ingress, want in (({**tls, "httpPort": 8080}, {443, 8080, 80}), (tls, {443, 80}),
+                          ({"httpPort": 8080}, {443, 8080})):
+        raw, secret = raw_config(host={"provider": "hcloud", "adminCidrs": [ADMIN]}, ingress=ingress)
+        rules = cloud.ingress_rules(cloud.instance_args(config.parse(raw, secret)))
+        assert {p for p, cidrs, _ in rules if cidrs == cloud.ANYWHERE} == want
+        assert [p for p, _, _ in rules].count(80) <= 1

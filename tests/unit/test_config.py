@@ -113,6 +113,27 @@ BAD = [
     ({"ingress": {"tls": "acme", "domain": "Code.Example.com", "acmeEmail": "ops@example.com"}}, "ingress.domain",
      "code.example.com"),
     ({"ingress": {"domain": "code.example.com."}}, "ingress.domain", "trailing dot"),
+    # One port, one listener on the host (a second review, 2026-12-07): sshd, the engine, nginx,
+    # Prometheus, node_exporter and Alertmanager.
+    ({"host": {"address": "203.0.113.10", "port": 443}}, "ingress.httpsPort", "sshd"),
+    ({"ingress": {"httpsPort": 22}}, "ingress.httpsPort", "sshd"),
+    ({"engine": {"port": 22}}, "engine.port", "between 1024"),
+    ({"engine": {"port": 9090}}, "engine.port", "Prometheus"),
+    ({"engine": {"port": 9100}}, "engine.port", "node_exporter"),
+    ({"ingress": {"httpsPort": 9090}}, "ingress.httpsPort", "Prometheus"),
+    ({"ingress": {"httpsPort": 9093}, "monitoring": {"alertmanagerWebhookUrl": "https://h.example.com/x"}},
+     "ingress.httpsPort", "Alertmanager"),
+    ({"engine": {"port": 1000}}, "engine.port", "between 1024"),
+    ({"host": {"provider": "hcloud", "adminCidrs": ["198.51.100.7/32"]}, "ingress": {"httpsPort": 22}},
+     "ingress.httpsPort", "sshd"),  # on a cloud host it also opened port 22 to the internet
+    # every probe request would get vLLM's 400 (prompt + max_tokens over max_model_len): the gate reported a miss
+    ({"engine": {"maxModelLen": 1024}, "sla": {"maxTokens": 4096}}, "sla.maxTokens", "engine.maxModelLen (1024)"),
+    ({"engine": {"maxModelLen": 2048}, "sla": {"maxTokens": 2048}}, "sla.maxTokens", "at most"),
+    ({"monitoring": {"scrapeIntervalS": 600}}, "monitoring.scrapeIntervalS", "two samples"),
+    ({"monitoring": {"retention": "999999d"}}, "monitoring.retention", "106751d"),
+    ({"host": {"address": "203.0.113.10", "cpuFlags": ["avx2", 1]}}, "host.cpuFlags[1]", "cpuinfo"),
+    ({"host": {"address": "203.0.113.10", "cpuFlags": ["AVX512F"]}}, "host.cpuFlags[0]", "lower case"),
+    ({"apiKeys": {"FIMFLEET_FLEET_PROBE": API_KEY}}, "apiKeys.FIMFLEET_FLEET_PROBE", "reserved"),
     # read-only: `sysctl -p` fails on them on the host
     ({"kernel": {"sysctl": {"fs.file-nr": 1}}}, "kernel.sysctl.fs.file-nr", "read-only"),
     ({"kernel": {"sysctl": {"kernel.osrelease": "6.1"}}}, "kernel.sysctl.kernel.osrelease", "read-only"),
@@ -120,10 +141,20 @@ BAD = [
     ({"kernel": {"sysctl": {"vm.swappiness": 1.5}}}, "kernel.sysctl.vm.swappiness", "whole number"),
     ({"host": {"address": "203.0.113.10", "bastion": {"address": "198.51.100.1", "port": "22x"}}}, "host.bastion.port", "between 1"),
     ({"host": {"address": "203.0.113.10", "bastion": {"address": "198.51.100.1", "user": "ops;id"}}}, "host.bastion.user", "user name"),
-    ({"engine": {"port": 443}}, "engine.port", "differ"),
-    ({"engine": {"port": 80}}, "engine.port", "differ"),
+    ({"engine": {"port": 8443}, "ingress": {"httpsPort": 8443}}, "engine.port", "differ"),
+    ({"engine": {"port": 8080}, "ingress": {"httpPort": 8080}}, "engine.port", "differ"),
     ({"sla": {"concurrency": 40}}, "sla.concurrency", "maxConnsPerAddress"),
     ({"engine": {"extraArgs": ["--disable-log-stats"]}}, "engine.extraArgs", "busy engine from a hung"),
+    # fimfleet's own flags and environment: a second --host would win in vLLM's parser (a keyless engine on
+    # every address), a second --max-model-len or VLLM_CPU_KVCACHE_SPACE would bypass the memory check
+    ({"engine": {"extraArgs": ["--host", "0.0.0.0"]}}, "engine.extraArgs", "behind nginx"),
+    ({"engine": {"extraArgs": ["--api-key=abc"]}}, "engine.extraArgs", "behind nginx"),
+    ({"engine": {"extraArgs": ["--port", "9000"]}}, "engine.extraArgs", "engine.port"),
+    ({"engine": {"extraArgs": ["--max-model-len=1000000"]}}, "engine.extraArgs", "engine.maxModelLen"),
+    ({"engine": {"extraArgs": ["--served-model-name", "x"]}}, "engine.extraArgs", "model.servedName"),
+    ({"engine": {"extraArgs": ["--no-enable-prefix-caching"]}}, "engine.extraArgs", "engine.enablePrefixCaching"),
+    ({"engine": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1000"}}}, "engine.env.VLLM_CPU_KVCACHE_SPACE", "engine.kvCacheGib"),
+    ({"engine": {"env": {"LD_PRELOAD": "/tmp/x.so"}}}, "engine.env.LD_PRELOAD", "runtime.allocator"),
     ({"tier": "cpu-epyc-avx2-7b-int8", "model": {"quantization": "gptq-int4"}}, "model.quantization", "no INT4"),
     # The node's Prometheus (components/monitoring.py holds these rules; config applies them).
     ({"monitoring": {"retention": "15 days"}}, "monitoring.retention", "duration"),
@@ -140,7 +171,7 @@ BAD = [
     # Misleading messages before.
     ({"engine": {"extraArgs": ["--device", "cpu"]}}, "engine.extraArgs", "removed"),
     ({"engine": {"extraArgs": ["--swap-space=4"]}}, "engine.extraArgs", "removed"),
-    ({"engine": {"extraArgs": ["8", "--max-num-seqs"]}}, "engine.extraArgs", "flag like"),
+    ({"engine": {"extraArgs": ["8", "--max-logprobs"]}}, "engine.extraArgs", "flag like"),
 ]
 
 # Values that would run commands as root if pasted into a script (issue: shell injection).
@@ -159,7 +190,7 @@ STRING_KEYS = [
     ({"host": {"address": "203.0.113.10", "user": None}}, "host.user"),
     ({"kernel": {"sysctl": {"vm.swappiness": None}}}, "kernel.sysctl.vm.swappiness"),
     ({"engine": {"env": {"FOO": None}}}, "engine.env.FOO"),
-    ({"engine": {"extraArgs": ["--max-num-seqs", None]}}, "engine.extraArgs"),
+    ({"engine": {"extraArgs": ["--max-logprobs", None]}}, "engine.extraArgs"),
     ({"monitoring": {"alertmanagerWebhookUrl": None}}, "monitoring.alertmanagerWebhookUrl"),
     ({"monitoring": {"retention": None}}, "monitoring.retention"),
 ]
@@ -186,14 +217,14 @@ def test_hostile_values_are_refused_by_their_grammar(change, key, hostile):
 
 
 def test_flag_and_value_as_two_items_is_accepted():
-    cfg = parse(engine={"extraArgs": ["--max-num-seqs", "8", "--enable-prompt-tokens-details", "--seed=1"]})
-    assert list(cfg.engine.extra_args) == ["--max-num-seqs", "8", "--enable-prompt-tokens-details", "--seed=1"]
+    cfg = parse(engine={"extraArgs": ["--max-logprobs", "8", "--enable-prompt-tokens-details", "--seed=1"]})
+    assert list(cfg.engine.extra_args) == ["--max-logprobs", "8", "--enable-prompt-tokens-details", "--seed=1"]
 
 
 def test_numbers_as_flag_values_reach_the_engine_as_strings():
     from components import engine
-    cfg = parse(engine={"extraArgs": ["--max-num-seqs", 8]})
-    assert engine.render(cfg, "m").args[-2:] == ("--max-num-seqs", "8")
+    cfg = parse(engine={"extraArgs": ["--max-logprobs", 8]})
+    assert engine.render(cfg, "m").args[-2:] == ("--max-logprobs", "8")
 
 
 def test_every_quoted_number_gives_one_error_and_no_traceback():
@@ -412,3 +443,14 @@ def test_a_pinned_revision_reaches_the_engine_and_a_local_model_has_none():
     assert "--revision" not in engine.render(parse(), "m").args
     raw, secret = raw_config("local-vm", model={"source": "local", "localPath": "/nonexistent/m", "revision": "main"})
     assert "model.revision" in {p.key for p in problems_of(raw, secret)}
+
+
+def test_a_port_a_daemon_would_hold_is_free_when_that_daemon_is_off():
+    assert parse(ingress={"httpsPort": 9093}).ingress.https_port == 9093  # no webhook: no Alertmanager
+    assert parse(engine={"port": 9090}, monitoring={"enabled": False}).engine.port == 9090
+
+
+def test_a_bad_scrape_interval_is_one_error_on_the_key_the_user_set():
+    """evaluationIntervalS is derived from it: no second error on a key the stack does not have."""
+    raw, secret = raw_config(monitoring={"scrapeIntervalS": 0})
+    assert [p.key for p in problems_of(raw, secret)] == ["monitoring.scrapeIntervalS"]

@@ -183,6 +183,15 @@ def test_only_what_restarts_the_engine_or_retunes_the_host_drains_a_node(change,
     ({**OWN, "httpsPort": 17443, "memberPort": 17443}, {}, "gateway.memberPort", "e.g. 17444"),
     ({"host": "n1", "memberPort": 0}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.memberPort", "between 1 and"),
     ({"host": "n1", "memberPort": "17443;id"}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.memberPort", "whole number"),
+    # the gateway verifies each node by fimfleet's own CA: nothing to trust with ACME or a provided certificate
+    ({"host": "n1"}, {"httpsPort": 8443, "httpPort": 8080, "tls": "acme", "domain": "code.example.com",
+                      "acmeEmail": "ops@example.com"}, "ingress.tls", "self-signed"),
+    (OWN, {"tls": "provided"}, "ingress.tls", "self-signed"),
+    # its nginx beside the node's sshd, engine and Prometheus, or its own machine's sshd
+    ({"host": "n1", "httpsPort": 8000}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.httpsPort", "the engine"),
+    ({"host": "n1", "httpsPort": 22}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.httpsPort", "sshd"),
+    ({"host": "n1", "httpPort": 9090}, {"httpsPort": 8443, "httpPort": 8080}, "gateway.httpPort", "Prometheus"),
+    ({**OWN, "httpsPort": 22}, {}, "gateway.httpsPort", "gateway.host's sshd"),
 ])
 def test_bad_gateways_name_key_value_and_fix(gw, ingress, key, word):
     raw, secret = raw_config(nodes=NODES, gateway=gw, ingress=ingress)

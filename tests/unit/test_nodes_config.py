@@ -49,6 +49,16 @@ def test_two_nodes_on_one_machine_are_refused():
     assert config.parse(raw, secret).node_names() == ["a", "b"]  # one address, two sshd ports: two machines
 
 
+@pytest.mark.parametrize("a, b", [("VPS1.example.com", "vps1.example.com"), ("vps1.example.com.", "vps1.example.com"),
+                                  ("2001:db8::1", "2001:DB8:0:0::1")])
+def test_two_spellings_of_one_machine_are_one_machine(a, b):
+    raw, secret = nodes_raw({"a": {"address": a}, "b": {"address": b}})
+    assert list(problems(raw, secret)) == ["nodes.b.address"]
+    raw, secret = nodes_raw({"a": {"address": a}, "b": {"address": "203.0.113.11"}},
+                            gateway={"host": b}, ingress={"httpsPort": 8443, "httpPort": 8080})
+    assert "gateway.host" in problems(raw, secret)  # it is node a's machine: name the node
+
+
 @pytest.mark.parametrize("nodes, key, word", [
     ({"Bad_Name": {"address": "203.0.113.10"}}, "nodes.Bad_Name", "node name"),
     ({"gateway": {"address": "203.0.113.10"}}, "nodes.gateway", "reserved"),
