@@ -100,12 +100,37 @@ def problems(args: MonitoringArgs) -> list[Problem]:
         (("kv_cache_alert_ratio",), _number(0, 1), "must be a number from 0 to 1"),
         (("rate_window", "retention", "ttft_for", "steal_for", "kv_cache_for", "down_for", "probe_failing_for",
           "restart_loop_window", "repeat_interval"), DURATION_RE.match, "must be a duration like 30s, 5m or 2h"),
-        (("scrape_interval_s", "evaluation_interval_s", "probe_interval_s", "restart_loop_count", "cert_alert_days"),
+        # evaluation_interval_s is scrape_interval_s (args_for): its problems are that key's
+        (("scrape_interval_s", "probe_interval_s", "restart_loop_count", "cert_alert_days"),
          _number(1, 3600, whole=True),
          "must be a whole number from 1 to 3600"),
         (("alertmanager_webhook_url",), lambda v: not v or grammar.webhook_url(v) is None,
          grammar.webhook_url("") + ", or empty to leave Alertmanager off"),
-        (("config_dir", "textfile_dir"), PATH_RE.match, "must be an absolute path")))
+        (("config_dir", "textfile_dir"), PATH_RE.match, "must be an absolute path"))) + _window_problems(args)
+
+
+DURATION_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+RETENTION_MAX_S = (2**63 - 1) // 10**9
+"""Prometheus reads a duration into int64 nanoseconds: about 292 years."""
+
+
+def _seconds(duration) -> int | None:
+    return int(duration[:-1]) * DURATION_S[duration[-1]] if isinstance(duration, str) and DURATION_RE.match(duration) else None
+
+
+def _window_problems(args: MonitoringArgs) -> list[Problem]:
+    """Scrapes often enough for the rules' rate() (two samples in its window), and a retention
+    Prometheus can read."""
+    out = []
+    window, scrape = _seconds(args.rate_window), args.scrape_interval_s
+    if window and isinstance(scrape, int) and not isinstance(scrape, bool) and 1 <= scrape and 2 * scrape > window:
+        out.append(Problem("monitoring.scrapeIntervalS", scrape, f"must be at most {window // 2} s: the recording rules' "
+                           f"rate() over {args.rate_window} needs two samples in it, or every TTFT, decode and steal "
+                           "rule stays empty and its alert never fires"))
+    if (kept := _seconds(args.retention)) and kept > RETENTION_MAX_S:
+        out.append(Problem("monitoring.retention", args.retention, f"is longer than Prometheus can read "
+                           f"(at most {RETENTION_MAX_S // 86400}d); e.g. 15d or 90d"))
+    return out
 
 
 def exporter_problems(e: ExporterArgs) -> list[Problem]:
