@@ -48,29 +48,29 @@ def slowest(rows: list[dict]) -> list[dict]:
     return sorted((r for r in rows if r["seconds"] is not None), key=lambda r: -r["seconds"])[:10]
 
 
+def timed(command, cfg: Path, events: Path) -> tuple[float, list[dict]]:
+    """Wall time and per-step times of one CLI run (ld.up or ld.destroy) with its event log."""
+    t0 = time.monotonic()
+    proc = command(cfg, "--event-log", str(events), check=False)
+    wall = time.monotonic() - t0
+    if proc.returncode:
+        raise SystemExit(f"pulumi {command.__name__} failed (its output is above)")
+    return wall, step_times(events)
+
+
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="deploy-steps-"))
     os.environ["FIMFLEET_BACKEND_URL"] = f"file://{tmp / 'state'}"  # never the demo's state
     os.environ["PULUMI_DEBUG_COMMANDS"] = "true"  # the CLI offers --event-log only with it
-    state, cfg, events, destroy_events = tmp / "vm", tmp / "Pulumi.local.yaml", tmp / "up.jsonl", tmp / "destroy.jsonl"
+    state, cfg = tmp / "vm", tmp / "Pulumi.local.yaml"
     paths = ld.prepare()
     ld.stack_config(cfg, state, paths["model_dir"])
     ld.start_vm(state, paths["wheelhouse"], serving_config=cfg)
     try:
         ld.say("pulumi up -s local with the event log (every step applied, the engine adopted)")
-        t0 = time.monotonic()
-        proc = ld.up(cfg, "--event-log", str(events), check=False)
-        wall = time.monotonic() - t0
-        if proc.returncode:
-            raise SystemExit("pulumi up failed (its output is above)")
-        rows = step_times(events)
+        wall, rows = timed(ld.up, cfg, tmp / "up.jsonl")
         ld.say("pulumi destroy -s local with the event log")
-        t0 = time.monotonic()
-        proc = ld.destroy(cfg, "--event-log", str(destroy_events), check=False)
-        destroy_wall = time.monotonic() - t0
-        if proc.returncode:
-            raise SystemExit("pulumi destroy failed (its output is above)")
-        gone = step_times(destroy_events)
+        destroy_wall, gone = timed(ld.destroy, cfg, tmp / "destroy.jsonl")
     finally:  # the VM goes, and the stack's state with it (a temporary backend)
         ld.stop_vm(state)
     result = {"up_wall_s": round(wall, 1), "steps": rows, "slowest": slowest(rows),
