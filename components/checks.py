@@ -147,7 +147,12 @@ REMOVED_VLLM_FLAGS = {
 def check_engine(engine, host, tier, spec, problems):
     if not CPU_LIST.match(engine.threads_bind or ""):
         problems.append(Problem("engine.threadsBind", engine.threads_bind, "must be auto, nobind, or a CPU list like 0-31 (ranks separated by |)"))
+    elif msg := _cpu_list_problem(engine.threads_bind, host.cpus):
+        problems.append(Problem("engine.threadsBind", engine.threads_bind, msg))
     tp = engine.tensor_parallel_size
+    if tier.device == "cpu" and _have(tp) and tp != 1:
+        problems.append(Problem("engine.tensorParallelSize", tp, "a CPU node runs one engine process (tensor parallelism "
+                                "is for GPU tiers here); remove it, and bind the engine's threads with engine.threadsBind"))
     if tier.device == "gpu" and _have(host.gpu_count, tp) and host.gpu_count and tp > host.gpu_count:
         problems.append(Problem("engine.tensorParallelSize", tp, f"cannot exceed host.gpuCount ({host.gpu_count})"))
     if tier.device == "gpu" and host.gpu_count == 0:
@@ -180,6 +185,19 @@ def check_engine(engine, host, tier, spec, problems):
         elif k in ENV_FIMFLEET_SETS:
             problems.append(Problem(f"engine.env.{k}", v, f"is set by {ENV_FIMFLEET_SETS[k]}: set that instead "
                                     "(an engine.env entry would override it past its checks)"))
+
+
+def _cpu_list_problem(binding: str, cpus) -> str | None:
+    """A CPU list's ranges run upwards and stay on the host: vLLM binds OpenMP threads to them."""
+    if binding in ("auto", "nobind", "all"):
+        return None
+    for part in re.split(r"[,|]", binding):
+        lo, _, hi = part.partition("-")
+        if hi and int(hi) < int(lo):
+            return f"the range {part} runs backwards: write {hi}-{lo}"
+        if isinstance(cpus, int) and not isinstance(cpus, bool) and int(hi or lo) >= cpus:
+            return f"CPU {int(hi or lo)} is not on the host (host.cpus = {cpus}: CPUs 0-{cpus - 1})"
+    return None
 
 
 def check_runtime(runtime, tier, problems, secrets):

@@ -134,6 +134,9 @@ BAD = [
     ({"host": {"address": "203.0.113.10", "cpuFlags": ["avx2", 1]}}, "host.cpuFlags[1]", "cpuinfo"),
     ({"host": {"address": "203.0.113.10", "cpuFlags": ["AVX512F"]}}, "host.cpuFlags[0]", "lower case"),
     ({"apiKeys": {"FIMFLEET_FLEET_PROBE": API_KEY}}, "apiKeys.FIMFLEET_FLEET_PROBE", "reserved"),
+    ({"engine": {"threadsBind": "5-2"}}, "engine.threadsBind", "backwards"),
+    ({"engine": {"threadsBind": "0-200"}}, "engine.threadsBind", "not on the host"),
+    ({"tier": "cpu-epyc-prod", "engine": {"tensorParallelSize": 2}}, "engine.tensorParallelSize", "one engine process"),
     # read-only: `sysctl -p` fails on them on the host
     ({"kernel": {"sysctl": {"fs.file-nr": 1}}}, "kernel.sysctl.fs.file-nr", "read-only"),
     ({"kernel": {"sysctl": {"kernel.osrelease": "6.1"}}}, "kernel.sysctl.kernel.osrelease", "read-only"),
