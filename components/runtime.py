@@ -208,6 +208,8 @@ class RuntimeArgs:
     """docker: the install step's files (registry_login)."""
     model_upload: dict | None = None
     """A local model: {local, remote, digest} for the model step's upload."""
+    secret_env: bool = False
+    """The env file holds a secret (HF_TOKEN): the service step's files are stored as a secret."""
 
 
 def args_for(cfg: StackConfig, node: str) -> RuntimeArgs:
@@ -221,7 +223,8 @@ def args_for(cfg: StackConfig, node: str) -> RuntimeArgs:
                        start_timeout_s=cfg.runtime.start_timeout_s, unit=r.unit, service_files=service_files(node, r),
                        scripts=scripts(cfg, node), model_upload=upload,
                        image=image_ref(cfg) if cfg.runtime.kind == "docker" else "",
-                       image_files=registry_login(cfg) if cfg.runtime.kind == "docker" else [])
+                       image_files=registry_login(cfg) if cfg.runtime.kind == "docker" else [],
+                       secret_env=bool(cfg.model.source == "hf" and cfg.secrets.hf_token))
 
 
 def reported(stdout: str | None, key: str) -> float | None:
@@ -285,7 +288,7 @@ class VllmRuntime(pulumi.ComponentResource):
         # What else may overlap the engine's start waits for these: nothing loads the host while
         # its memory bandwidth is measured.
         self.before_start = before_start
-        files = args.service_files
+        files = pulumi.Output.secret(list(args.service_files)) if args.secret_env else args.service_files
         self.digest = digest_of(args)
         self.service = RemoteStep(
             f"{name}-service", label="vLLM service", connection=connection, files=files,

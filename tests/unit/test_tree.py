@@ -279,3 +279,26 @@ def test_a_registry_login_reaches_only_the_image_step_and_stays_secret(recorder,
                 assert auth not in repr(r["inputs"]), f"the registry login reached {name}"
 
     return settle(fleet).apply(check)
+
+
+HF_TOKEN = "hf_" + "t0ken" * 8
+
+
+@pytest.mark.parametrize("kind", ["systemd", "docker"])
+@pulumi.runtime.test
+def test_a_hugging_face_token_is_stored_only_as_a_secret(recorder, kind):
+    """The engine's env file carries HF_TOKEN: the service step's files were a plain input, which
+    Pulumi keeps in the state unencrypted (additional_secret_outputs covers outputs only)."""
+    runtime = {"kind": kind} if kind == "systemd" else {"kind": kind, "image": "vllm/vllm-openai-cpu:v0.32.0"}
+    raw, secret = raw_config("cpu-epyc-prod", runtime=runtime, hfToken=HF_TOKEN)
+    fleet = Fleet("fleet", args_for(config.parse(raw, secret | {"hfToken"})))
+
+    def check(_):
+        regs = by_name(recorder)
+        assert "files" in regs["node-runtime-service"]["secret_fields"]
+        assert HF_TOKEN in repr(regs["node-runtime-service"]["inputs"]["files"])  # it does reach the engine
+        for name, r in regs.items():
+            plain = {k: v for k, v in r["inputs"].items() if k not in r["secret_fields"]}
+            assert HF_TOKEN not in repr(plain), f"the HF token in plain inputs of {name}"
+
+    return settle(fleet).apply(check)
