@@ -14,33 +14,12 @@ from typing import Any
 
 from components import gateway_render, grammar, ingress_render, models, sizing
 from components.cloud_types import PROVIDERS, plain_credentials
+from components.problems import NAMESPACE, SECRET_KEYS, ConfigError, Problem  # noqa: F401 - the types config's users import
 from components.tiers import TIERS, Tier
 
-NAMESPACE = "fimfleet"
 OTHER_NAMESPACES = ("pulumi", "hcloud", "aws", "digitalocean")
 """Config namespaces that belong to Pulumi itself or to the cloud providers fimfleet uses."""
-SECRET_KEYS = ("sshPrivateKey", "apiKeys", "hfToken", "tlsCert", "tlsKey", "registryPassword")
 STRING_SECRETS = tuple(k for k in SECRET_KEYS if k != "apiKeys")
-
-
-@dataclass(frozen=True)
-class Problem:
-    key: str
-    value: Any
-    fix: str
-
-    def __str__(self) -> str:
-        shown = "<secret>" if self.key.split(".")[0].split("[")[0] in SECRET_KEYS else json.dumps(self.value, default=str)
-        full = self.key if ":" in self.key else f"{NAMESPACE}:{self.key}"
-        return f"{full} = {shown}: {self.fix}"
-
-
-class ConfigError(ValueError):
-    """All problems of one stack config; str() lists them one per line."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("invalid stack config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def camel(name: str) -> str:

@@ -457,3 +457,21 @@ def test_a_bad_scrape_interval_is_one_error_on_the_key_the_user_set():
     """evaluationIntervalS is derived from it: no second error on a key the stack does not have."""
     raw, secret = raw_config(monitoring={"scrapeIntervalS": 0})
     assert [p.key for p in problems_of(raw, secret)] == ["monitoring.scrapeIntervalS"]
+
+
+@pytest.mark.parametrize("raw_extra", [
+    {"sshPrivatekey": "-----BEGIN OPENSSH PRIVATE KEY-----\nLEAKED-1\n-----END OPENSSH PRIVATE KEY-----"},
+    {"hftoken": "hf_LEAKED-2"},
+    {"runtime": {"registryPassword": "LEAKED-3"}},
+    {"host": {"address": "203.0.113.10", "privateKey": "LEAKED-4"}},
+    {"monitoring": {"alertmanagerWebhookUrl": "https://hooks.example.com/x?token=LEAKED-5 "}},
+])
+def test_a_secret_under_a_mistyped_or_unknown_key_is_never_printed(raw_extra):
+    """Pulumi hides a secret config value where it appears verbatim; json.dumps turned a PEM's
+    newlines into \\n, so a mistyped sshPrivateKey printed whole in the error."""
+    raw, secret = raw_config()
+    raw.update(raw_extra)
+    with pytest.raises(config.ConfigError) as err:
+        config.parse(raw, secret)
+    assert "LEAKED" not in str(err.value) and "<secret>" in str(err.value), str(err.value)
+    assert "sla.maxTokens = 99999" in str(config.Problem("sla.maxTokens", 99999, "x"))  # counts are no secrets
