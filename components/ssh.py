@@ -83,9 +83,32 @@ def key_text(key) -> str:
 
 def fingerprint(text: str) -> str:
     import base64
+    import binascii
 
-    blob = base64.b64decode(text.split()[1])
+    try:
+        blob = base64.b64decode(text.split()[1], validate=True)
+    except (IndexError, ValueError, binascii.Error):
+        return "(an unreadable key)"
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+RSA_ALGORITHMS = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+"""Signature algorithms of one RSA host key: its line may name any of them (ssh-keyscan says ssh-rsa)."""
+
+
+def host_key_algorithms(pinned: str) -> tuple[str, ...]:
+    """The host key algorithms to offer for a pinned key: only its own, so a host with several
+    keys (ed25519, ECDSA, RSA) presents the pinned one, not the one paramiko prefers."""
+    kind = pinned.split()[0] if pinned else ""
+    return RSA_ALGORITHMS if kind in RSA_ALGORITHMS else (kind,) if kind else ()
+
+
+def _disabled(pinned: str) -> dict:
+    """paramiko's disabled_algorithms for a pinned key: every host key algorithm but its own."""
+    import paramiko
+
+    allowed = host_key_algorithms(pinned)
+    return {"keys": [k for k in paramiko.Transport._preferred_keys if k not in allowed]} if allowed else {}
 
 
 def _pinning_policy(expected: str, seen: list[str], where: str, accept_key: str):
@@ -96,7 +119,7 @@ def _pinning_policy(expected: str, seen: list[str], where: str, accept_key: str)
         def missing_host_key(self, client, hostname, key):
             presented = key_text(key)
             seen.append(presented)
-            if expected and presented.split()[:2] != expected.split()[:2]:
+            if expected and presented.split()[1:2] != expected.split()[1:2]:  # the blob names its type
                 raise HostKeyChanged(
                     f"the SSH host key of {where} changed: pinned {fingerprint(expected)}, presented "
                     f"{fingerprint(presented)}. Nothing was sent. If the host was rebuilt on purpose, check the new "
@@ -226,13 +249,14 @@ def _connect(t: SshTarget, retries: int, accept_key: str, first_contact: bool):
                     t.bastion_host_key, seen, f"bastion {t.bastion_host}:{t.bastion_port}",
                     accept_key.replace("hostKey", "bastion.hostKey")))
                 jump.connect(t.bastion_host, t.bastion_port, t.bastion_user or t.user, pkey=key,
-                             timeout=t.connect_timeout_s, allow_agent=False, look_for_keys=False)
+                             timeout=t.connect_timeout_s, allow_agent=False, look_for_keys=False,
+                             disabled_algorithms=_disabled(t.bastion_host_key))
                 sock = jump.get_transport().open_channel("direct-tcpip", (t.host, t.port), ("127.0.0.1", 0))
             client = paramiko.SSHClient()
             client.set_missing_host_key_policy(_pinning_policy(t.host_key, seen, t.where, accept_key))
             client.connect(t.host, t.port, t.user, pkey=key, sock=sock, timeout=t.connect_timeout_s,
                            banner_timeout=t.connect_timeout_s, auth_timeout=t.connect_timeout_s,
-                           allow_agent=False, look_for_keys=False)
+                           allow_agent=False, look_for_keys=False, disabled_algorithms=_disabled(t.host_key))
             client.get_transport().set_keepalive(15)
             client.fimfleet_seen = seen
         except HostKeyChanged:

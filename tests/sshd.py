@@ -31,7 +31,8 @@ def public_line(private_pem: str) -> str:
 class Sshd:
     """Start with `Sshd(tmp, client_key).start()`; `host_key` is its public key line."""
 
-    def __init__(self, tmp: Path, client_key: str, varlib: Path | None = None, port: int | None = None):
+    def __init__(self, tmp: Path, client_key: str, varlib: Path | None = None, port: int | None = None,
+                 more_key_types: tuple[str, ...] = ()):
         assert Path(SSHD).exists(), "openssh-server is missing: ./fimfleet bootstrap installs it"
         self.dir = tmp
         self.varlib = varlib or tmp / "varlib"
@@ -41,6 +42,15 @@ class Sshd:
         if not key.exists():
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
         self.host_key = " ".join(key.with_suffix(".pub").read_text().split()[:2])
+        self.host_keys = {"ed25519": self.host_key}
+        """Every host key the server has, by ssh-keygen type (ed25519 first, as paramiko prefers it)."""
+        for kind in more_key_types:  # e.g. ecdsa, rsa: a host with several keys, as Debian's sshd has
+            extra = tmp / f"host_key_{kind}"
+            if not extra.exists():
+                subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(extra)], check=True)
+            self.host_keys[kind] = " ".join(extra.with_suffix(".pub").read_text().split()[:2])
+        host_key_lines = "".join(f"HostKey {tmp / ('host_key' if k == 'ed25519' else f'host_key_{k}')}\n"
+                                 for k in self.host_keys)
         (tmp / "authorized_keys").write_text(public_line(client_key) + "\n")
         wrap = tmp / "wrap.sh"
         wrap.write_text(f"#!/bin/sh\nmount --bind {self.varlib} /var/lib || exit 97\n"
@@ -48,7 +58,7 @@ class Sshd:
         wrap.chmod(0o755)
         self.config = tmp / f"sshd_config.{self.port}"
         self.config.write_text(
-            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {key}\nPidFile {tmp}/sshd.{self.port}.pid\n"
+            f"Port {self.port}\nListenAddress 127.0.0.1\n{host_key_lines}PidFile {tmp}/sshd.{self.port}.pid\n"
             f"AuthorizedKeysFile {tmp}/authorized_keys\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nStrictModes no\nUsePAM no\n"
             f"AllowTcpForwarding yes\nSubsystem sftp {SFTP_SERVER}\n"

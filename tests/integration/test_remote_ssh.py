@@ -64,6 +64,29 @@ def test_a_changed_host_key_is_refused_before_anything_is_sent(sshd, tmp_path):
     assert not (sshd.varlib / "fimfleet" / "secret").exists()
 
 
+@pytest.mark.parametrize("kind", ["ecdsa", "rsa", "rsa as rsa-sha2-512"])
+def test_a_pinned_key_of_another_type_than_paramikos_first_choice_is_the_one_verified(tmp_path, kind):
+    """A host with ed25519, ECDSA and RSA keys (as Debian's sshd): paramiko asked for ed25519 first,
+    so a pinned ECDSA or RSA key was refused as 'changed' on every connection."""
+    server = Sshd(tmp_path, ssh_key(), more_key_types=("ecdsa", "rsa")).start()
+    try:
+        line = server.host_keys[kind.split()[0]]
+        if "as" in kind:  # the same RSA key, named by the signature algorithm (the grammar accepts it)
+            line = "rsa-sha2-512 " + line.split()[1]
+        with ssh.session(ssh.SshTarget.from_props(server.connection(ssh_key(), hostKey=line))) as client:
+            assert ssh.run(client, "echo ok")[1].strip() == "ok"
+            assert client.fimfleet_seen[-1].split()[1] == line.split()[1]
+        other = tmp_path / "other"  # a key of the same type that this host does not have
+        subprocess.run(["ssh-keygen", "-q", "-t", kind.split()[0], "-N", "", "-f", str(other)], check=True)
+        impostor = " ".join(other.with_suffix(".pub").read_text().split()[:2])
+        with pytest.raises(ssh.HostKeyChanged):
+            with ssh.session(ssh.SshTarget.from_props(server.connection(ssh_key(), hostKey=impostor))):
+                pass
+    finally:
+        ssh.drop_shared()
+        server.stop()
+
+
 def test_apply_leaves_a_marker_and_refresh_finds_a_wiped_host(sshd, capsys):
     ident = first_contact(sshd)
     conn = pinned(sshd, ident)

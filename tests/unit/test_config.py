@@ -475,3 +475,23 @@ def test_a_secret_under_a_mistyped_or_unknown_key_is_never_printed(raw_extra):
         config.parse(raw, secret)
     assert "LEAKED" not in str(err.value) and "<secret>" in str(err.value), str(err.value)
     assert "sla.maxTokens = 99999" in str(config.Problem("sla.maxTokens", 99999, "x"))  # counts are no secrets
+
+
+@pytest.mark.parametrize("kind", ["ed25519", "ecdsa", "rsa"])
+def test_a_host_key_cut_when_pasted_is_refused_at_preview(tmp_path, kind):
+    """A truncated key passed the line grammar and failed at first contact with a binascii traceback
+    (building the 'changed' message); every key type whole is accepted, RSA by either name."""
+    import subprocess
+
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(tmp_path / "k")], check=True)
+    line = " ".join((tmp_path / "k.pub").read_text().split()[:2])
+    assert parse(host={"address": "203.0.113.10", "hostKey": line}).host.host_key == line
+    if kind == "rsa":
+        assert grammar.ssh_public_key("rsa-sha2-512 " + line.split()[1]) is None
+    for cut in (1, 4, 12):
+        raw, secret = raw_config(host={"address": "203.0.113.10", "hostKey": line[:-cut],
+                                       "bastion": {"address": "198.51.100.1", "hostKey": line[:-cut]}})
+        found = {p.key: p.fix for p in problems_of(raw, secret)}
+        assert "cut" in found["host.hostKey"] and "cut" in found["host.bastion.hostKey"], found
+    from components import ssh
+    assert ssh.fingerprint(line[:-1]) == "(an unreadable key)"
