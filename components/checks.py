@@ -237,12 +237,39 @@ def check_ingress(ingress, secrets, problems):
         problems.append(Problem("ingress.httpPort", ingress.http_port, "must differ from ingress.httpsPort"))
     if ingress.tls == "provided" and not (secrets.tls_cert and secrets.tls_key):
         problems.append(Problem("tlsCert", "<unset>", "tls=provided needs secrets fimfleet:tlsCert and fimfleet:tlsKey (PEM)"))
+    elif ingress.tls == "provided":
+        problems.extend(Problem(k, "<secret>", fix) for k, fix in provided_tls_problems(secrets.tls_cert, secrets.tls_key))
     if ingress.tls == "acme":
         if not ingress.domain:
             problems.append(Problem("ingress.domain", ingress.domain, "ACME needs a public DNS name pointing at the host"))
         if not ingress.acme_email:
             problems.append(Problem("ingress.acmeEmail", ingress.acme_email, "ACME needs a contact email"))
     _grammar(problems, "ingress.acmeEmail", ingress.acme_email, grammar.email)
+
+
+def provided_tls_problems(cert_pem, key_pem) -> list[tuple[str, str]]:
+    """(key, fix) for a provided certificate chain and key: tlsCert is exported as the clients'
+    caPem and copied to the monitor, so it must hold certificates only; the key must be the leaf's."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    if not isinstance(cert_pem, str) or not isinstance(key_pem, str):
+        return [("tlsCert", "tlsCert and tlsKey must be PEM text")]
+    if "PRIVATE KEY" in cert_pem:
+        return [("tlsCert", "holds a private key: put only the certificates in tlsCert (the leaf first, then its "
+                 "intermediates) and the key in tlsKey; tlsCert is shown to clients as the stack's caPem")]
+    try:
+        leaf = x509.load_pem_x509_certificates(cert_pem.encode())[0]
+    except ValueError as e:
+        return [("tlsCert", f"must be PEM certificates, the leaf first ({e})")]
+    try:
+        key = serialization.load_pem_private_key(key_pem.encode(), password=None)
+    except (ValueError, TypeError) as e:
+        return [("tlsKey", f"must be the certificate's private key in PEM, without a passphrase ({e})")]
+    raw = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*raw) != leaf.public_key().public_bytes(*raw):
+        return [("tlsKey", "is not the key of tlsCert's first certificate: give the leaf's key, or put the leaf first")]
+    return []
 
 
 def check_kernel(kernel, problems):

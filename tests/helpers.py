@@ -49,6 +49,15 @@ def ssh_key() -> str:
         serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()).decode()
 
 
+@functools.lru_cache(maxsize=1)
+def provided_tls() -> dict[str, str]:
+    """tlsCert (the leaf, then its CA) and tlsKey of a real chain, as `ingress.tls: provided` takes them."""
+    from components import tls
+
+    out = tls.issue("code.example.com", ["code.example.com"], [], days=90)
+    return {"tlsCert": out["certPem"], "tlsKey": out["keyPem"]}
+
+
 def raw_config(tier: str = "cpu-epyc-prod", **sections) -> tuple[dict, frozenset]:
     """A valid raw config (short keys) plus its secret keys; `sections` replace or add keys."""
     raw = {

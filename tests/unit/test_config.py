@@ -495,3 +495,23 @@ def test_a_host_key_cut_when_pasted_is_refused_at_preview(tmp_path, kind):
         assert "cut" in found["host.hostKey"] and "cut" in found["host.bastion.hostKey"], found
     from components import ssh
     assert ssh.fingerprint(line[:-1]) == "(an unreadable key)"
+
+
+def test_a_provided_certificate_is_certificates_only_and_its_key_is_the_leafs():
+    """tlsCert becomes the clients' caPem (a plain output) and the monitor's CA file: a bundle that
+    also held the private key exported it; a key of another certificate failed only in nginx."""
+    from tests.helpers import provided_tls
+
+    good = provided_tls()
+    raw, secret = raw_config(ingress={"tls": "provided", "domain": "code.example.com"}, **good)
+    assert config.parse(raw, secret | {"tlsCert", "tlsKey"}).ingress.tls == "provided"
+    from components import tls
+
+    stranger = tls.issue("other.example.com", ["other.example.com"], [])["keyPem"]
+    for bad, key, word in (({**good, "tlsCert": good["tlsCert"] + good["tlsKey"]}, "tlsCert", "private key"),
+                           ({**good, "tlsCert": "C"}, "tlsCert", "PEM certificates"),
+                           ({**good, "tlsKey": "K"}, "tlsKey", "PEM"),
+                           ({**good, "tlsKey": stranger}, "tlsKey", "not the key")):
+        raw, secret = raw_config(ingress={"tls": "provided", "domain": "code.example.com"}, **bad)
+        found = {p.key: p for p in problems_of(raw, secret | {"tlsCert", "tlsKey"})}
+        assert word in found[key].fix and "BEGIN" not in str(found[key]), found

@@ -14,7 +14,7 @@ import pytest
 
 from components import config, ingress, tls
 from components.nginx_base import DROPIN_PATH, NginxBase, render as render_host_nginx
-from tests.helpers import raw_config
+from tests.helpers import provided_tls, raw_config
 
 ACME = {"tls": "acme", "domain": "code.example.com", "acmeEmail": "ops@example.com"}
 
@@ -52,7 +52,7 @@ def test_acme_apply_enables_certbot_timer_and_renews_when_due():
 @pytest.mark.parametrize("source", [{}, {"tls": "provided"}])
 def test_other_certificate_sources_do_not_touch_certbot(source):
     if source:
-        raw, secret = raw_config(ingress={"domain": "code.example.com", **source}, tlsCert="C", tlsKey="K")
+        raw, secret = raw_config(ingress={"domain": "code.example.com", **source}, **provided_tls())
         cfg = config.parse(raw, secret | {"tlsCert", "tlsKey"})
     else:
         cfg = cfg_for()
@@ -92,7 +92,7 @@ def check_only(cfg) -> tuple[str, str]:
 @pytest.mark.parametrize("tls_keys", [{}, ACME, {"tls": "provided"}])
 def test_refresh_check_flags_a_certificate_expiring_within_30_days(host, tls_keys):
     if tls_keys.get("tls") == "provided":
-        raw, secret = raw_config(ingress={"domain": "code.example.com", **tls_keys}, tlsCert="C", tlsKey="K")
+        raw, secret = raw_config(ingress={"domain": "code.example.com", **tls_keys}, **provided_tls())
         cfg = config.parse(raw, secret | {"tlsCert", "tlsKey"})
     else:
         cfg = cfg_for(**tls_keys)
