@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import yaml
@@ -109,8 +110,22 @@ def continue_config(a: EditorArgs, endpoint: str, key: str, ca_pem: str = "") ->
     return {"name": "fimfleet", "version": "1.0.0", "schema": "v1", "models": entries}
 
 
+YAML12_NOT_TEXT = re.compile(r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|0o[0-7]+|0x[0-9a-fA-F]+"
+                             r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)|null|Null|NULL|~|true|True|TRUE|false|False|FALSE")
+"""Plain scalars that YAML 1.2's core schema reads as a number, a boolean or null."""
+
+
+class _ContinueDumper(yaml.SafeDumper):
+    """PyYAML writes YAML 1.1: `1e5` or `0o17` stay unquoted there, and Continue's YAML 1.2 parser
+    then reads a served name or a key as a number and refuses the file. Such strings are quoted."""
+
+
+_ContinueDumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", value, style='"' if YAML12_NOT_TEXT.fullmatch(value) else None))
+
+
 def continue_yaml(a: EditorArgs, endpoint: str, key: str, ca_pem: str = "") -> str:
-    return yaml.safe_dump(continue_config(a, endpoint, key, ca_pem), sort_keys=False, width=1 << 16)
+    return yaml.dump(continue_config(a, endpoint, key, ca_pem), Dumper=_ContinueDumper, sort_keys=False, width=1 << 16)
 
 
 def cursor_notes(a: EditorArgs, endpoint: str) -> str:

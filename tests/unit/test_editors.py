@@ -128,6 +128,9 @@ def every_generated_config(tmp_path) -> dict[str, str]:
     cfg = stack_config("cpu-epyc-prod", tmp_path / "acme", **{"ingress.tls": "acme", "ingress.acmeEmail": "ops@example.com"})
     out["acme+chat"] = editors.continue_yaml(editors.EditorArgs(**{**editors.args_for(cfg).__dict__, "chat": True}),
                                              "https://code.example.com", API_KEY, "")
+    # A served name and a key that YAML 1.2 reads as numbers unless quoted (PyYAML writes 1.1, which does not)
+    cfg = stack_config("cpu-epyc-prod", tmp_path / "numbers", **{"model.servedName": "1e5"})
+    out["numberlike"] = editors.continue_yaml(editors.args_for(cfg), "https://203.0.113.10", "0o" + "1234567" * 4, CA)
     return out
 
 
@@ -140,7 +143,7 @@ def test_every_generated_config_passes_continues_own_validator(tmp_path):
     rc, results = node("validate_config.mjs", *files)
     bad = {Path(r["file"]).stem: r["problems"] for r in results if not r["ok"]}
     assert rc == 0 and not bad, bad
-    assert len(results) == len(STACKS) + 1
+    assert len(results) == len(STACKS) + 2
 
 
 def test_continues_validator_is_not_a_rubber_stamp(tmp_path):
