@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from components import grammar, keys, models, sizing
+from components import grammar, keys, models, sizing, ssh
 from components.cloud_types import CLOUD_PROVIDERS
 from components.config import PORT, Problem, camel
 
@@ -33,8 +33,8 @@ def check_host(host, secrets, problems):
         _grammar(problems, "host.address", host.address, grammar.address)
         if not secrets.ssh_private_key:
             problems.append(Problem("sshPrivateKey", "<unset>", "set the SSH key: pulumi config set --secret fimfleet:sshPrivateKey < ~/.ssh/id_ed25519"))
-        elif not isinstance(secrets.ssh_private_key, str) or "PRIVATE KEY" not in secrets.ssh_private_key:
-            problems.append(Problem("sshPrivateKey", "<secret>", "must be a PEM/OpenSSH private key (-----BEGIN ... PRIVATE KEY-----)"))
+        elif msg := ssh.private_key_problem(secrets.ssh_private_key):
+            problems.append(Problem("sshPrivateKey", "<secret>", msg))
     elif host.kind == "local-vm" and not host.testbed_state:
         problems.append(Problem("host.testbedState", host.testbed_state, "set the testbed state dir (./fimfleet demo does this)"))
     _grammar(problems, "host.user", host.user, grammar.unix_user)

@@ -12,6 +12,8 @@ import ipaddress
 import re
 from dataclasses import dataclass, replace
 
+from components.ssh import load_private_key, private_key_problem
+
 PROVIDERS = ("ssh", "local-vm", "hcloud", "aws")
 """How fimfleet gets its host: an existing VPS over SSH, the local test VM, or a cloud instance it creates."""
 CLOUD_PROVIDERS = ("hcloud", "aws")
@@ -104,11 +106,7 @@ def public_key(private_key: str) -> str:
     """The OpenSSH public key of a PEM or OpenSSH private key (what the cloud installs for root)."""
     from cryptography.hazmat.primitives import serialization
 
-    data = private_key.encode()
-    try:
-        key = serialization.load_ssh_private_key(data, password=None)
-    except (ValueError, TypeError):
-        key = serialization.load_pem_private_key(data, password=None)
+    key = load_private_key(private_key)
     return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 
@@ -163,11 +161,10 @@ def check(host, raw_host: dict, tier, ingress, secrets) -> tuple:
         problems.append(Problem("sshPrivateKey", "<unset>", "set the key the instance trusts for root: "
                                 "pulumi config set --secret fimfleet:sshPrivateKey < ~/.ssh/id_ed25519"))
     else:
-        try:
-            pub = public_key(key)
-        except (ValueError, TypeError, AttributeError) as e:
-            problems.append(Problem("sshPrivateKey", "<secret>", f"must be an unencrypted PEM/OpenSSH private key ({e})"))
+        if fix := private_key_problem(key):
+            problems.append(Problem("sshPrivateKey", "<secret>", fix))
         else:
+            pub = public_key(key)
             if provider == "aws" and not pub.startswith(("ssh-ed25519 ", "ssh-rsa ")):
                 problems.append(Problem("sshPrivateKey", "<secret>", "EC2 key pairs take ed25519 or RSA keys: "
                                         "ssh-keygen -t ed25519 -f fimfleet-key"))

@@ -65,13 +65,52 @@ class SshTarget:
         return f"{self.user}@{self.host}:{self.port}"
 
 
-def _pkey(text: str):
-    import paramiko
+def _load_private_key(text):
+    """(key, None), or (None, the fix): the SSH key as cryptography reads it, in any of its files'
+    formats (OpenSSH, PKCS#8 from `openssl genpkey`, PKCS#1); ed25519, ECDSA or RSA, no passphrase."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
+    if not isinstance(text, str) or "PRIVATE KEY-----" not in text:
+        return None, "must be a private key file's text (-----BEGIN ... PRIVATE KEY-----)"
+    data = text.encode()
+    load = serialization.load_ssh_private_key if b"OPENSSH PRIVATE KEY" in data else serialization.load_pem_private_key
+    try:
+        key = load(data, password=None)
+    except TypeError:
+        return None, ("is protected by a passphrase: give fimfleet a copy without one (it is kept as a Pulumi "
+                      "secret): ssh-keygen -p -N '' -f COPY")
+    except (ValueError, UnsupportedAlgorithm) as e:
+        return None, f"is not a usable private key ({e})"
+    if not isinstance(key, (ed25519.Ed25519PrivateKey, ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
+        return None, f"must be an ed25519, ECDSA or RSA key, not {type(key).__name__}"
+    return key, None
+
+
+def private_key_problem(text) -> str | None:
+    """The fix for an SSH private key fimfleet cannot use, or None (config checks it at preview)."""
+    return _load_private_key(text)[1]
+
+
+def load_private_key(text):
+    key, fix = _load_private_key(text)
+    if fix:
+        raise Error(f"fimfleet:sshPrivateKey {fix}")
+    return key
+
+
+def _pkey(text: str):
+    """paramiko's key, from any format load_private_key reads (paramiko itself takes OpenSSH and PKCS#1 only)."""
+    import paramiko
+    from cryptography.hazmat.primitives import serialization
+
+    openssh = load_private_key(text).private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                   serialization.NoEncryption()).decode()
     errors = []
     for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
         try:
-            return kind.from_private_key(io.StringIO(text))
+            return kind.from_private_key(io.StringIO(openssh))
         except (paramiko.SSHException, ValueError) as e:
             errors.append(f"{kind.__name__}: {e}")
     raise Error("fimfleet:sshPrivateKey is not a usable private key: " + "; ".join(errors))

@@ -24,7 +24,9 @@ SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 def public_line(private_pem: str) -> str:
     from cryptography.hazmat.primitives import serialization
 
-    key = serialization.load_ssh_private_key(private_pem.encode(), password=None)
+    from components.ssh import load_private_key
+
+    key = load_private_key(private_pem)  # OpenSSH or PEM (PKCS#8, PKCS#1)
     return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 

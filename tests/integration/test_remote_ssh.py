@@ -87,6 +87,28 @@ def test_a_pinned_key_of_another_type_than_paramikos_first_choice_is_the_one_ver
         server.stop()
 
 
+@pytest.mark.parametrize("kind", ["ed25519", "ecdsa", "rsa"])
+def test_a_pkcs8_private_key_logs_in(tmp_path, kind):
+    """`openssl genpkey` writes PKCS#8 (-----BEGIN PRIVATE KEY-----), which paramiko cannot read:
+    such a key passed the config check and failed at first contact, after a cloud instance existed."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    key = {"ed25519": lambda: ed25519.Ed25519PrivateKey.generate(), "ecdsa": lambda: ec.generate_private_key(ec.SECP256R1()),
+           "rsa": lambda: rsa.generate_private_key(65537, 2048)}[kind]()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption()).decode()
+    assert "BEGIN PRIVATE KEY" in pem and ssh.private_key_problem(pem) is None
+    server = Sshd(tmp_path, pem).start()
+    try:
+        conn = server.connection(pem, hostKey=server.host_key)
+        with ssh.session(ssh.SshTarget.from_props(conn)) as client:
+            assert ssh.run(client, "echo ok")[1].strip() == "ok"
+    finally:
+        ssh.drop_shared()
+        server.stop()
+
+
 def test_apply_leaves_a_marker_and_refresh_finds_a_wiped_host(sshd, capsys):
     ident = first_contact(sshd)
     conn = pinned(sshd, ident)

@@ -515,3 +515,18 @@ def test_a_provided_certificate_is_certificates_only_and_its_key_is_the_leafs():
         raw, secret = raw_config(ingress={"tls": "provided", "domain": "code.example.com"}, **bad)
         found = {p.key: p for p in problems_of(raw, secret | {"tlsCert", "tlsKey"})}
         assert word in found[key].fix and "BEGIN" not in str(found[key]), found
+
+
+def test_an_ssh_key_fimfleet_cannot_use_is_refused_at_preview():
+    """A passphrase-protected key passed the text check and failed only at `up`, on the host."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    locked = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+        serialization.BestAvailableEncryption(b"passphrase")).decode()
+    for key, word in ((locked, "passphrase"), ("-----BEGIN OPENSSH PRIVATE KEY-----\nAAAA\n-----END OPENSSH PRIVATE KEY-----",
+                                                "not a usable"), ("ssh-ed25519 AAAA", "private key file")):
+        raw, secret = raw_config(sshPrivateKey=key)
+        found = {p.key: p for p in problems_of(raw, secret)}
+        assert word in found["sshPrivateKey"].fix and "<secret>" in str(found["sshPrivateKey"]), found
