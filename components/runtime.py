@@ -183,8 +183,8 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
         out["install"] = templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
                                           wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw)
     else:
-        out["install"] = templates.render("runtime/pull-image.sh.j2", image=image_ref(cfg),
-                                          images=kw["images"], docker_config=DOCKER_CONFIG)
+        out["install"] = templates.render("runtime/pull-image.sh.j2", image=image_ref(cfg), images=kw["images"],
+                                          docker_config=DOCKER_CONFIG, login=bool(registry_login(cfg)))
     return out
 
 

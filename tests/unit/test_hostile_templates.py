@@ -103,7 +103,7 @@ def hostile_renders(payload: str):
                      cache_dir=payload)
     yield "model-docker", r("runtime/model.sh.j2", source="local", kind="docker", uid=10001, model_path=payload,
                             user=payload, state_dir=payload, cache_dir=payload, home=payload)
-    yield "pull-image", r("runtime/pull-image.sh.j2", image=payload, images=payload, docker_config=payload)
+    yield "pull-image", r("runtime/pull-image.sh.j2", image=payload, images=payload, docker_config=payload, login=False)
     yield "bandwidth", r("runtime/bandwidth.sh.j2", venv=payload, script=payload)
     yield "kv-capacity", r("runtime/kv-capacity.sh.j2", port=payload)
     yield "start", r("runtime/start.sh.j2", unit=payload, served_name=payload, port=payload, timeout_s=0,

@@ -1,5 +1,5 @@
-"""The runtime's destroy script (files/runtime/destroy.sh.j2), rendered and run by bash with every
-path in a temp dir and systemctl, docker and userdel as no-op stand-ins: what it deletes."""
+"""The runtime's destroy and image-pull scripts (files/runtime/), rendered and run by bash with every
+path in a temp dir and systemctl, docker and userdel as no-op stand-ins: what they delete."""
 
 from __future__ import annotations
 
@@ -52,3 +52,23 @@ def test_a_directory_fimfleet_did_not_install_is_left_alone(tmp_path, kind):
         (theirs / ".fimfleet-lock").write_text("0123456789abcdef\n")
     run_destroy(tmp_path, kind, theirs)
     assert (theirs / "lib" / "python3.11" / "site-packages" / "pkg" / "sub" / "f.py").is_file()
+
+
+@pytest.mark.parametrize("login", [True, False])
+def test_a_registry_login_the_stack_no_longer_sets_is_removed_by_the_next_pull_step(tmp_path, login):
+    """The login file is uploaded by the image step only while runtime.registryUser is set; without
+    it, the old file (a registry password) stayed on the host until destroy."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool in ("systemctl", "docker"):  # the image is there already: no pull
+        (fake / tool).write_text("#!/bin/sh\n[ \"$2\" = inspect ] && [ \"$3\" = -f ] && echo sha256:abc\nexit 0\n")
+        (fake / tool).chmod(0o755)
+    conf = tmp_path / "docker"
+    conf.mkdir()
+    (conf / "config.json").write_text('{"auths": {}}')
+    body = templates.render("runtime/pull-image.sh.j2", image="r.example.com/vllm@sha256:" + "a" * 64,
+                            images=str(tmp_path / "images"), docker_config=str(conf), login=login)
+    proc = subprocess.run([shutil.which("bash"), "-s"], input="set -euo pipefail\n" + body, capture_output=True,
+                          text=True, env={"PATH": f"{fake}:/usr/bin:/bin"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (conf / "config.json").exists() is login
