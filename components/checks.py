@@ -286,9 +286,9 @@ def check_sla_fits_the_ingress(sla, ingress, problems, nodes: int = 1):
         return
     streams = sla.concurrency * nodes
     if streams > ingress.max_conns_per_address:
-        fleet = f" times {nodes} nodes behind the gateway ({streams} streams in the fleet's check)" if nodes > 1 else ""
+        fleet = f"times {nodes} nodes behind the gateway ({streams} streams in the fleet's check) " if nodes > 1 else ""
         problems.append(Problem("sla.concurrency", sla.concurrency,
-                                f"{fleet and fleet.lstrip() + ' '}must not exceed ingress.maxConnsPerAddress "
+                                f"{fleet}must not exceed ingress.maxConnsPerAddress "
                                 f"({ingress.max_conns_per_address}): the probe runs from one address; raise that limit "
                                 "or lower the concurrency"))
 

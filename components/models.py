@@ -172,9 +172,9 @@ def load_local_spec(name: str, model_dir: str | Path) -> ModelSpec:
     spec = spec_from_hf_config(name, json.loads(path.read_text()))
     tok_path = Path(model_dir) / "tokenizer_config.json"
     tok = json.loads(tok_path.read_text()) if tok_path.is_file() else {}
-    decoder = tok.get("added_tokens_decoder") if isinstance(tok, dict) else None
-    added = {t.get("content") for t in decoder.values() if isinstance(t, dict)} if isinstance(decoder, dict) else set()
     tok = tok if isinstance(tok, dict) else {}
+    decoder = tok.get("added_tokens_decoder")
+    added = {t.get("content") for t in decoder.values() if isinstance(t, dict)} if isinstance(decoder, dict) else set()
     fim = QWEN_FIM if set(QWEN_FIM.tokens()) <= added else None
     chat = bool(tok.get("chat_template")) or (Path(model_dir) / "chat_template.jinja").is_file()
     return replace(spec, fim=fim, chat=chat)

@@ -530,3 +530,19 @@ def test_an_ssh_key_fimfleet_cannot_use_is_refused_at_preview():
         raw, secret = raw_config(sshPrivateKey=key)
         found = {p.key: p for p in problems_of(raw, secret)}
         assert word in found["sshPrivateKey"].fix and "<secret>" in str(found["sshPrivateKey"]), found
+
+
+def test_every_flag_and_variable_fimfleet_renders_is_one_extraArgs_and_env_may_not_repeat():
+    """checks.FLAGS_FIMFLEET_SETS and ENV_FIMFLEET_SETS list what engine.render and runtime.render emit:
+    a flag or variable added there and not here would let a stack override it again."""
+    from components import checks, engine, runtime
+
+    raw, secret = raw_config("gpu-h100", host={"address": "203.0.113.10", "gpuCount": 2}, model={"revision": "a1b2c3d"},
+                             engine={"tensorParallelSize": 2, "kvCacheDtype": "fp8", "enforceEager": True},
+                             hfToken="hf_" + "x" * 30)
+    gpu = config.parse(raw, secret | {"hfToken"})
+    for cfg in (gpu, parse(engine={"enablePrefixCaching": False, "enableChunkedPrefill": False})):
+        launch = engine.render(cfg, "m")
+        assert {a for a in launch.args if a.startswith("--")} <= set(checks.FLAGS_FIMFLEET_SETS)
+        env = {line.split("=", 1)[0] for line in runtime.render(cfg, "node").env_file.splitlines() if "=" in line}
+        assert env <= set(checks.ENV_FIMFLEET_SETS), env - set(checks.ENV_FIMFLEET_SETS)
