@@ -30,6 +30,9 @@ from components.remote import RemoteStep
 
 STAGED_DIR = "/etc/fimfleet/monitoring"
 """/etc/default files as fimfleet wants them; packages.sh installs them before apt runs."""
+ALERTMANAGER_STAGED = f"{STAGED_DIR}/alertmanager.yml"
+"""Alertmanager's config as uploaded (0600 root): its webhook URL often carries a token, so the
+copy in force is 0640 root:prometheus, which an upload as root cannot make on a fresh host."""
 HELPER = "/usr/local/lib/fimfleet/monitor-textfile.sh"
 HELPER_ENV = "/etc/fimfleet/monitor-textfile.env"
 HELPER_UNIT = "fimfleet-monitor-textfile"
@@ -312,10 +315,14 @@ def steps(args: MonitoringArgs) -> list[dict]:
     if alertmanager:
         defaults.append(_defaults("prometheus-alertmanager", alertmanager_args(args)))
     staged, pkg = _packages("server", ["prometheus"] + (["prometheus-alertmanager"] if alertmanager else []), defaults)
+    rendered = prometheus_files(args)
     files = staged + [{"path": f"{args.config_dir}/{rel}", "mode": "0644", "content": content}
-                      for rel, content in prometheus_files(args).items()]
+                      for rel, content in rendered.items() if rel != "alertmanager.yml"]
+    if alertmanager:  # root's only; server-apply.sh installs it for the daemon's group
+        files.append({"path": ALERTMANAGER_STAGED, "mode": "0600", "content": rendered["alertmanager.yml"]})
     kw = dict(config=f"{args.config_dir}/prometheus.yml", alertmanager=alertmanager, listen=args.listen,
-              alertmanager_config=f"{args.config_dir}/alertmanager.yml", alertmanager_listen=args.alertmanager_listen,
+              alertmanager_config=f"{args.config_dir}/alertmanager.yml", alertmanager_staged=ALERTMANAGER_STAGED,
+              alertmanager_listen=args.alertmanager_listen,
               default_staged=defaults[0]["staged"], config_dir=args.config_dir, rule_groups=len(RULE_GROUPS),
               port=_split_hostport(args.listen)[1], alertmanager_port=_split_hostport(args.alertmanager_listen)[1], **pkg)
     return _step("prometheus", "prometheus", "server", files, kw)

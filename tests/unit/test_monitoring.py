@@ -179,6 +179,23 @@ def test_default_files_are_staged_before_apt_runs():
     assert apply.index("apt-get") < apply.index("promtool check config") < apply.index("reload_or_start prometheus")
 
 
+def test_the_webhook_url_is_readable_by_root_and_alertmanager_only():
+    """The URL often carries a token (a Pulumi secret): the upload is root's 0600, and the copy
+    in force is 0640 root:prometheus, installed before apt's postinst starts the daemon; a stack
+    that drops the webhook removes both copies."""
+    url = "https://hooks.example.com/x?token=s3cret"
+    step = m.steps(make_args(alertmanager_webhook_url=url))[0]
+    holders = [(f["path"], f["mode"]) for f in step["files"] if "s3cret" in f["content"]]
+    assert holders == [(m.ALERTMANAGER_STAGED, "0600")]
+    apply = step["apply"]
+    install = (f"install -m 0640 -o root -g prometheus {m.ALERTMANAGER_STAGED} "
+               f"{m.CONFIG_DIR}/alertmanager.yml")
+    assert apply.index("useradd --system") < apply.index(install) < apply.index('apt-get "${apt_opts[@]}" install')
+    assert "640:root:prometheus" in step["check"]
+    assert f"rm -f {m.ALERTMANAGER_STAGED}" in step["destroy"]
+    assert f"rm -f {m.ALERTMANAGER_STAGED} {m.CONFIG_DIR}/alertmanager.yml" in m.steps(make_args())[0]["apply"]
+
+
 @pytest.mark.parametrize("changed, active, want", [
     ("prometheus", "yes", "start prometheus"),      # restarted by this step: a SIGHUP now could end it
     ("", "no", "start prometheus"),
