@@ -14,7 +14,7 @@ from typing import Any
 
 from components import gateway_render, grammar, ingress_render, models, sizing
 from components.cloud_types import PROVIDERS, plain_credentials
-from components.problems import NAMESPACE, SECRET_KEYS, ConfigError, Problem  # noqa: F401 - the types config's users import
+from components.problems import NAMESPACE, SECRET_KEYS, ConfigError, Problem, masked  # noqa: F401 - the types config's users import
 from components.tiers import TIERS, Tier
 
 OTHER_NAMESPACES = ("pulumi", "hcloud", "aws", "digitalocean")
@@ -354,6 +354,13 @@ def _parse_section(name, cls, raw, defaults, problems):
 
 def parse(raw: dict[str, Any], secret_keys: frozenset[str] = frozenset()) -> StackConfig:
     """Validate a stack's fimfleet config. `raw` maps short keys (no namespace) to parsed values."""
+    try:
+        return _parse(raw, secret_keys)
+    except ConfigError as err:
+        raise ConfigError(masked(err.problems, secret_keys)) from None
+
+
+def _parse(raw: dict[str, Any], secret_keys: frozenset[str]) -> StackConfig:
     from components import checks, nodes_config  # they read this module's types: import them late, not circularly
 
     problems: list[Problem] = []
@@ -473,7 +480,7 @@ def from_mapping(values: dict[str, str], secret_full_keys: frozenset[str]) -> St
     try:
         cfg = parse(raw, frozenset(secret))
     except ConfigError as err:
-        raise ConfigError(foreign + err.problems) from None
+        raise ConfigError(masked(foreign, secret_full_keys) + err.problems) from None
     if foreign:
-        raise ConfigError(foreign)
+        raise ConfigError(masked(foreign, secret_full_keys))
     return cfg

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 NAMESPACE = "fimfleet"
@@ -24,11 +24,27 @@ class Problem:
     key: str
     value: Any
     fix: str
+    secret: bool = False
+    """Held as a Pulumi secret: shown as <secret> whatever the key's name (see `masked`)."""
 
     def __str__(self) -> str:
-        shown = "<secret>" if _secret(self.key) else json.dumps(self.value, default=str)
+        fix = self.fix
+        if self.secret or _secret(self.key):
+            shown = "<secret>"
+            if isinstance(self.value, str) and self.value:  # a fix that quotes the value
+                fix = fix.replace(repr(self.value), "<secret>").replace(self.value, "<secret>")
+        else:
+            shown = json.dumps(self.value, default=str)
         full = self.key if ":" in self.key else f"{NAMESPACE}:{self.key}"
-        return f"{full} = {shown}: {self.fix}"
+        return f"{full} = {shown}: {fix}"
+
+
+def masked(problems: list[Problem], secret_keys) -> list[Problem]:
+    """`problems` with the value of every key under one the engine holds as a secret hidden: a
+    private key set with --secret under a mistyped name, or a whole secret map's settings."""
+    short = {k.removeprefix(f"{NAMESPACE}:") for k in secret_keys}
+    return [replace(p, secret=True) if p.key in secret_keys or re.split(r"[.\[]", p.key, maxsplit=1)[0] in short
+            else p for p in problems]
 
 
 class ConfigError(ValueError):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from components import config, grammar, passphrase
-from tests.helpers import API_KEY, TINY_CONFIG, raw_config
+from tests.helpers import API_KEY, TINY_CONFIG, raw_config, ssh_key
 
 
 def parse(**sections):
@@ -293,6 +293,23 @@ def test_secret_set_in_plain_text_is_rejected_and_never_echoed():
     p = next(p for p in problems if p.key == "sshPrivateKey")
     assert "--secret" in p.fix
     assert "PRIVATE KEY" not in str(config.ConfigError(problems))
+
+
+@pytest.mark.parametrize("where", ["sshKey", "registryPass", "host"])
+def test_a_value_set_with_secret_is_never_echoed_whatever_its_key_is_called(where):
+    """The engine says which keys are secrets: a mistyped `sshKey`, or a setting inside a secret
+    map, hides its value (and a fix that quotes it) even though the key's name looks harmless."""
+    raw, secret = raw_config()
+    pem = ssh_key()
+    if where == "host":
+        raw["host"] = {**raw["host"], "sshKey": pem, "port": "hunter2-port"}
+    else:
+        raw[where] = pem
+    text = str(problems_of(raw, secret | {where}) and config.ConfigError(problems_of(raw, secret | {where})))
+    assert f"fimfleet:{where if where != 'host' else 'host.sshKey'} = <secret>" in text
+    assert "PRIVATE KEY" not in text and "hunter2" not in text
+    shown = str(config.ConfigError(problems_of(raw, secret)))  # the same keys not held as secrets
+    assert "hunter2" in shown if where == "host" else "PRIVATE KEY" in shown
 
 
 def test_api_key_values_never_appear_in_errors():
