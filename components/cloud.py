@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,15 +87,35 @@ def ingress_rules(args: InstanceArgs) -> list[tuple[int, tuple[str, ...], str]]:
             *((p, ANYWHERE, "fimfleet ingress (nginx)") for p in args.public_ports)]
 
 
-class HcloudInstance(pulumi.ComponentResource):
-    """A Hetzner Cloud server with its SSH key, firewall and optional DNS record."""
+def shared_keys(fleet: pulumi.Resource, instances: Mapping[str, InstanceArgs | None]) -> dict[str, pulumi.Resource]:
+    """One hcloud SshKey per public key for a whole fleet, by public key: Hetzner refuses a second
+    key with the same fingerprint ("uniqueness_error"), so every server of the fleet names this one.
+    It keeps the resource that the first such host made for itself before (an alias, no replace)."""
+    keys: dict[str, pulumi.Resource] = {}
+    for host, a in instances.items():
+        if a is None or a.provider != "hcloud" or a.public_key in keys:
+            continue
+        import pulumi_hcloud as hcloud
 
-    def __init__(self, name: str, args: InstanceArgs, opts: pulumi.ResourceOptions | None = None):
+        old_parent = pulumi.create_urn(f"{host}-host-cloud", "fimfleet:cloud:HcloudInstance", parent=pulumi.create_urn(
+            f"{host}-host", "fimfleet:host:Host", parent=pulumi.create_urn(host, "fimfleet:host:HostBase", parent=fleet)))
+        keys[a.public_key] = hcloud.SshKey(f"hcloud-key-{host}", public_key=a.public_key, labels=LABELS,
+                                           opts=pulumi.ResourceOptions(parent=fleet, aliases=[
+                                               pulumi.Alias(name=f"{host}-host-cloud-key", parent=old_parent)]))
+    return keys
+
+
+class HcloudInstance(pulumi.ComponentResource):
+    """A Hetzner Cloud server with its firewall and optional DNS record, and its SSH key: the
+    fleet's shared one (`key`), or its own when built alone."""
+
+    def __init__(self, name: str, args: InstanceArgs, opts: pulumi.ResourceOptions | None = None,
+                 key: pulumi.Resource | None = None):
         super().__init__("fimfleet:cloud:HcloudInstance", name, None, opts)
         import pulumi_hcloud as hcloud
 
         child = pulumi.ResourceOptions(parent=self)
-        self.key = hcloud.SshKey(f"{name}-key", public_key=args.public_key, labels=LABELS, opts=child)
+        self.key = key or hcloud.SshKey(f"{name}-key", public_key=args.public_key, labels=LABELS, opts=child)
         self.firewall = hcloud.Firewall(f"{name}-firewall", labels=LABELS, opts=child, rules=[
             {"direction": "in", "protocol": "tcp", "port": str(port), "source_ips": list(cidrs), "description": why}
             for port, cidrs, why in ingress_rules(args)])
@@ -165,10 +186,14 @@ class AwsInstance(pulumi.ComponentResource):
 COMPONENTS = {"hcloud": HcloudInstance, "aws": AwsInstance}
 
 
-def instance_for(name: str, args: InstanceArgs | None, opts: pulumi.ResourceOptions | None = None):
-    """The cloud instance of a host, or None when it has none (host.provider ssh or local-vm)."""
+def instance_for(name: str, args: InstanceArgs | None, opts: pulumi.ResourceOptions | None = None,
+                 keys: Mapping[str, pulumi.Resource] | None = None):
+    """The cloud instance of a host, or None when it has none (host.provider ssh or local-vm);
+    `keys`: the fleet's shared_keys."""
     if args is None:
         return None
+    if args.provider == "hcloud":
+        return HcloudInstance(name, args, opts, key=(keys or {}).get(args.public_key))
     return COMPONENTS[args.provider](name, args, opts)
 
 

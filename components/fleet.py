@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pulumi
 
 from components import gateway as gateway_shape
-from components import hostbase, keys, node, templates
+from components import cloud, hostbase, keys, node, templates
 from components.gateway import GatewayArgs
 from components.hostbase import HostBase, HostBaseArgs
 from components.ingress import NginxIngress
@@ -97,6 +97,7 @@ class Fleet(pulumi.ComponentResource):
         if unknown:
             raise ValueError(f"nodes name hosts that the fleet does not have: {unknown}")
         self.hosts: dict[str, HostBase] = {}
+        self.cloud_keys = cloud.shared_keys(self, {n: h.host.instance for n, h in args.hosts.items()})
         self.nodes: dict[str, NodeService] = {}
         self.gateway = self.fleet_sla = None
         self.enables: dict = {}
@@ -131,8 +132,8 @@ class Fleet(pulumi.ComponentResource):
         if name not in self.hosts:
             # The one-node layout kept the host under the node of the same name.
             moved = hostbase.legacy_parent(name, self) if name in args.nodes else None
-            self.hosts[name] = HostBase(name, args.hosts[name], moved_from=moved, opts=pulumi.ResourceOptions(
-                parent=self, depends_on=self._gate(name, "host", gate)))
+            self.hosts[name] = HostBase(name, args.hosts[name], moved_from=moved, cloud_keys=self.cloud_keys,
+                                        opts=pulumi.ResourceOptions(parent=self, depends_on=self._gate(name, "host", gate)))
         return self.hosts[name]
 
     def _chain(self, args: FleetArgs) -> None:

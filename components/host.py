@@ -8,6 +8,7 @@ to produce `connection` (address, port, user, private key as a secret).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,11 +160,12 @@ def args_for(cfg: StackConfig, engine: bool = True) -> HostArgs:
 class Host(pulumi.ComponentResource):
     """Connection, preflight (read-only, first), then packages."""
 
-    def __init__(self, name: str, args: HostArgs, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: HostArgs, opts: pulumi.ResourceOptions | None = None,
+                 cloud_keys: Mapping[str, pulumi.Resource] | None = None):
         super().__init__("fimfleet:host:Host", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         # host.provider hcloud / aws: create the instance first; first contact waits until sshd answers.
-        self.instance = cloud.instance_for(f"{name}-cloud", args.instance, opts=child)
+        self.instance = cloud.instance_for(f"{name}-cloud", args.instance, opts=child, keys=cloud_keys)
         base = pulumi.Output.secret({**args.connection, "host": self.instance.address} if self.instance
                                     else args.connection)
         self.address = pulumi.Output.from_input(

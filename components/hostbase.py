@@ -11,6 +11,7 @@ aliases them to those URNs, so an existing stack upgrades without replacing anyt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
@@ -53,10 +54,12 @@ class HostBase(pulumi.ComponentResource):
     the main config that includes their sites)."""
 
     def __init__(self, name: str, args: HostBaseArgs, moved_from: pulumi.Alias | None = None,
-                 opts: pulumi.ResourceOptions | None = None):
+                 opts: pulumi.ResourceOptions | None = None, cloud_keys: Mapping[str, pulumi.Resource] | None = None):
+        """`cloud_keys`: the fleet's shared cloud SSH keys (cloud.shared_keys)."""
         super().__init__("fimfleet:host:HostBase", name, None, opts)
         moved = [moved_from] if moved_from else []
-        self.host = Host(f"{name}-host", args.host, opts=pulumi.ResourceOptions(parent=self, aliases=moved))
+        self.host = Host(f"{name}-host", args.host, opts=pulumi.ResourceOptions(parent=self, aliases=moved),
+                         cloud_keys=cloud_keys)
         self.connection = self.host.connection
         self.facts = self.host.facts
         self.identity = self.host.identity.identity

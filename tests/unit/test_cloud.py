@@ -302,6 +302,27 @@ def test_host_connects_to_the_instance_address_after_it_exists(stack, mocks):
     assert "node-host-identity" in closure(regs, "node-host-cloud-init")
 
 
+def test_hcloud_nodes_of_one_fleet_share_one_ssh_key_which_keeps_the_single_nodes_urn(mocks):
+    """Hetzner refuses a second SSH key with the same fingerprint: a fleet uploads its key once
+    and every server names it. The key is the one a one-node stack made under its instance
+    before (an alias), so an `up` after the upgrade replaces neither the key nor the server."""
+    values = {**stack_values("hcloud-epyc-prod"), "hcloud:token": TOKEN, "fimfleet:nodes": json.dumps({"a": {}, "b": {}})}
+    cfg = config.from_mapping(values, SECRET)
+
+    @pulumi.runtime.test
+    def run():
+        Fleet("fleet", args_for(cfg))
+
+    run()
+    regs = {r["name"]: r for r in mocks.recorder.registrations}
+    key = one(regs, "hcloud:index/sshKey:SshKey")
+    servers = by_type(regs, "hcloud:index/server:Server")
+    assert len(servers) == 2 and all(s["inputs"]["sshKeys"] == [mocks.ids[key["name"]]] for s in servers)
+    fleet = regs["fleet"]["urn"].rsplit("::", 1)[0]  # what the engine computes: the parent's type chain, then its own
+    instance = f"{fleet}$fimfleet:host:HostBase$fimfleet:host:Host$fimfleet:cloud:HcloudInstance::a-host-cloud"
+    assert [(a.spec.name, a.spec.parentUrn) for a in key["aliases"]] == [("a-host-cloud-key", instance)]
+
+
 @pytest.mark.parametrize("stack", sorted(STACKS))
 def test_destroy_removes_everything_in_order(stack, mocks):
     """`pulumi destroy` deletes dependents first: every SSH step while the instance and its
