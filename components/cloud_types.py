@@ -8,7 +8,6 @@ the instance both judge the machine that is actually rented.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass, replace
 
@@ -110,20 +109,6 @@ def public_key(private_key: str) -> str:
     return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 
-def _cidr(v) -> str | None:
-    if not isinstance(v, str):
-        return "must be a CIDR string like 198.51.100.7/32"
-    try:
-        net = ipaddress.ip_network(v, strict=True)
-    except (ValueError, TypeError) as e:
-        if "host bits set" in str(e):
-            return f"has host bits set; write the network address: {ipaddress.ip_network(v, strict=False)}"
-        return "must be a CIDR like 198.51.100.7/32 (the address you run pulumi from)"
-    if net.prefixlen == 0:
-        return "opens SSH to the whole internet; list the networks you run pulumi from (e.g. 198.51.100.7/32)"
-    return None
-
-
 def check(host, raw_host: dict, tier, ingress, secrets) -> tuple:
     """(host with the provider resolved and, for a cloud, the type's hardware facts; problems).
 
@@ -152,6 +137,14 @@ def check(host, raw_host: dict, tier, ingress, secrets) -> tuple:
         problems.append(Problem("host.address", host.address, f"{p} creates the instance and its address; remove host.address"))
     if host.port != 22:
         problems.append(Problem("host.port", host.port, f"{p} instances run sshd on 22; remove host.port"))
+    if host.user != "root":
+        problems.append(Problem("host.user", host.user, f"{p} instances let root in with fimfleet:sshPrivateKey "
+                                "(files/cloud/cloud-init.yaml.j2), and fimfleet's steps run as root; remove host.user"))
+    for k in ("bastion", "testbedState"):
+        if raw_host.get(k):
+            why = ("fimfleet reaches the instance it creates directly, through its firewall's host.adminCidrs"
+                   if k == "bastion" else "it names a local test VM")
+            problems.append(Problem(f"host.{k}", raw_host[k], f"{p}: {why}; remove host.{k}"))
     for k in HARDWARE_KEYS:
         if k in raw_host:
             problems.append(Problem(f"host.{k}", raw_host[k], f"comes from host.instanceType with {p}; remove it"))
@@ -198,9 +191,8 @@ def check(host, raw_host: dict, tier, ingress, secrets) -> tuple:
     if not cidrs:
         problems.append(Problem("host.adminCidrs", [], "list the networks allowed to SSH in (fimfleet itself connects from "
                                 "them): pulumi config set --path 'fimfleet:host.adminCidrs[0]' 198.51.100.7/32"))
-    for i, c in enumerate(cidrs):
-        if msg := _cidr(c):
-            problems.append(Problem(f"host.adminCidrs[{i}]", c, msg))
+    for at, msg in grammar.cidr_set(cidrs, "SSH"):
+        problems.append(Problem(f"host.adminCidrs{at}", cidrs[int(at[1:-1])] if at else cidrs, msg))
     if host.dns_zone:
         domain = (ingress.domain or "").rstrip(".").lower()
         zone = str(host.dns_zone).rstrip(".").lower()

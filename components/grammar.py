@@ -98,8 +98,10 @@ def address(v) -> str | None:
                                "must be an IP address (203.0.113.10) or a DNS name (vps1.example.com)")
 
 
-def cidr(v) -> str | None:
-    """A network in canonical form, never the whole internet."""
+def cidr(v, opens: str = "/metrics") -> str | None:
+    """A network in canonical form, never the whole internet (`opens`: what it lets in)."""
+    if not isinstance(v, str):
+        return "must be a CIDR string like 10.0.0.0/8 or 198.51.100.7/32"
     try:
         net = ipaddress.ip_network(v, strict=True)
     except (ValueError, TypeError) as e:
@@ -108,8 +110,47 @@ def cidr(v) -> str | None:
             return f"has host bits set; write the network address: {fixed}"
         return "must be a CIDR like 10.0.0.0/8 or 192.168.1.0/24"
     if net.prefixlen == 0:
-        return "opens /metrics to the whole internet; list your monitoring networks (e.g. 10.0.0.0/8)"
+        return f"opens {opens} to the whole internet; list only your own networks (e.g. 10.0.0.0/8 or 198.51.100.7/32)"
     return None
+
+
+WORLD = {4: ipaddress.ip_network("0.0.0.0/0"), 6: ipaddress.ip_network("::/0")}
+V4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
+V6_GLOBAL = ipaddress.ip_network("2000::/3")
+"""Every global unicast IPv6 address: a set that covers it is open to the whole IPv6 internet."""
+
+
+def world_open(networks) -> list[str]:
+    """Which of 0.0.0.0/0 and ::/0 the networks cover together (0.0.0.0/1 + 128.0.0.0/1 count,
+    and so do the IPv4-mapped IPv6 range and 2000::/3, every global IPv6 address)."""
+    v4 = [n for n in networks if n.version == 4]
+    v6 = [n for n in networks if n.version == 6]
+    for n in v6:
+        if V4_MAPPED.subnet_of(n):
+            v4.append(WORLD[4])
+        elif n.subnet_of(V4_MAPPED):
+            v4.append(ipaddress.IPv4Network((int(n.network_address) & 0xFFFFFFFF, n.prefixlen - 96)))
+    return [str(WORLD[f]) for f, group in ((4, v4), (6, v6))
+            if any(n.prefixlen == 0 or (n.version == 6 and V6_GLOBAL.subnet_of(n)) for n in ipaddress.collapse_addresses(group))]
+
+
+def cidr_set(values, opens: str) -> list[tuple[str, str]]:
+    """(index suffix, problem) for a list of networks taken as one set: each one's own grammar,
+    a repeat of an earlier one (however spelt: EC2 refuses a rule that names it twice), and the
+    whole internet covered together (index ""). `opens`: what they let in, for the message."""
+    out, seen = [], {}
+    for i, v in enumerate(values):
+        if msg := cidr(v, opens):
+            out.append((f"[{i}]", msg))
+            continue
+        net = ipaddress.ip_network(v)
+        if net in seen:
+            out.append((f"[{i}]", f"repeats [{seen[net]}] ({net}); list each network once"))
+        seen.setdefault(net, i)
+    if world := world_open(list(seen)):
+        out.append(("", f"together these cover {' and '.join(world)}, the whole internet, which opens {opens} to "
+                        "anyone; list only your own networks (e.g. 198.51.100.7/32)"))
+    return out
 
 
 def email(v) -> str | None:

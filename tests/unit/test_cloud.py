@@ -378,6 +378,12 @@ def test_dns_record_points_the_domain_at_the_instance(stack, mocks):
     ({"instanceType": "p5.4xlarge", "provider": "aws", "gpuMemoryGiB": 160}, "host.gpuMemoryGiB", "comes from host.instanceType"),
     ({"provider": "aws", "adminCidrs": ["0.0.0.0/0"]}, "host.adminCidrs[0]", "whole internet"),
     ({"provider": "aws", "adminCidrs": []}, "host.adminCidrs", "networks allowed to SSH"),
+    ({"provider": "aws", "adminCidrs": ["0.0.0.0/1", "128.0.0.0/1"]}, "host.adminCidrs", "cover 0.0.0.0/0"),
+    ({"provider": "aws", "adminCidrs": ["198.51.100.7/32", "2000::/4", "3000::/4"]}, "host.adminCidrs", "cover ::/0"),
+    ({"provider": "aws", "adminCidrs": ["2001:db8:1::/48", "2001:DB8:0001:0000::/48"]}, "host.adminCidrs[1]", "repeats [0]"),
+    ({"provider": "aws", "adminCidrs": [22]}, "host.adminCidrs[0]", "CIDR string"),
+    ({"provider": "hcloud", "user": "ubuntu"}, "host.user", "let root in"),
+    ({"provider": "aws", "bastion": {"address": "203.0.113.5"}}, "host.bastion", "directly"),
     ({"provider": "aws", "address": "203.0.113.9"}, "host.address", "as nodes.node.address"),
     ({"provider": "aws", "image": "debian-12"}, "host.image", "AMI ID"),
     ({"provider": "hcloud", "instanceType": ""}, "host.instanceType", "no hcloud type fimfleet knows carries tier gpu-h100"),
@@ -388,6 +394,16 @@ def test_impossible_cloud_config_fails_validation_naming_the_key(host, key, fix)
         config.from_mapping(stack_values("aws-gpu-h100", **host), SECRET)
     hits = [p for p in e.value.problems if p.key == key]
     assert hits and fix in hits[0].fix, [str(p) for p in e.value.problems]
+
+
+def test_keys_that_cannot_apply_to_a_created_instance_are_refused():
+    """Only root gets the stack's key (cloud-init), fimfleet waits for the instance's own sshd, and
+    a test VM's state names another machine: each would fail after the instance exists."""
+    raw, secret = raw_config(host={"provider": "hcloud", "adminCidrs": ["198.51.100.7/32"], "user": "ubuntu",
+                                   "bastion": {"address": "203.0.113.5"}, "testbedState": "/tmp/x"})
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw, secret)
+    assert {p.key for p in e.value.problems} == {"host.user", "host.bastion", "host.testbedState"}, str(e.value)
 
 
 def test_a_cpu_type_too_small_for_the_tier_or_the_model_fails():

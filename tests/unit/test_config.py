@@ -92,6 +92,8 @@ BAD = [
     ({"ingress": {"metricsAllowCidrs": ["192.168.10.5/24"]}}, "ingress.metricsAllowCidrs[0]", "192.168.10.0/24"),
     ({"ingress": {"metricsAllowCidrs": ["0.0.0.0/0"]}}, "ingress.metricsAllowCidrs[0]", "whole internet"),
     ({"ingress": {"metricsAllowCidrs": ["10.0.0.0/8", "::/0"]}}, "ingress.metricsAllowCidrs[1]", "whole internet"),
+    ({"ingress": {"metricsAllowCidrs": ["0.0.0.0/1", "128.0.0.0/1"]}}, "ingress.metricsAllowCidrs", "cover 0.0.0.0/0"),
+    ({"ingress": {"metricsAllowCidrs": ["10.0.0.0/8", "10.0.0.0/8"]}}, "ingress.metricsAllowCidrs[1]", "repeats [0]"),
     # Silently accepted before.
     ({"host": {"address": "203.0.113.10", "gpuCount": 0}, "tier": "gpu-l40s"}, "host.gpuCount", "at least 1"),
     ({"host": {"address": "203.0.113.10", "gpuCount": 4}, "engine": {"tensorParallelSize": 3}, "tier": "gpu-l40s"},
