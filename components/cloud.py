@@ -18,7 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pulumi
@@ -68,11 +68,13 @@ class InstanceArgs:
     dns_zone: str
     """When set, an A record for `domain` in this zone (Hetzner DNS or Route 53)."""
     user_data: str
+    account: Mapping[str, Any] = field(default_factory=dict)
+    """aws: the stack's aws:* account settings for the instance's own provider (cloud_types.aws_settings)."""
 
 
 def instance_args(cfg: StackConfig) -> InstanceArgs:
     h = cfg.host
-    return InstanceArgs(
+    return InstanceArgs(account=cloud_types.aws_settings() if h.provider == "aws" else {},
         provider=h.provider, region=h.region, instance_type=h.instance_type, image=h.image, gpu=bool(h.gpu_count),
         public_key=cloud_types.public_key(cfg.secrets.ssh_private_key), admin_cidrs=tuple(h.admin_cidrs),
         public_ports=tuple(dict.fromkeys((cfg.ingress.https_port, cfg.ingress.http_port,
@@ -137,14 +139,15 @@ class AwsInstance(pulumi.ComponentResource):
     """An EC2 instance with its key pair, security group and optional Route 53 record.
 
     Its own aws provider carries the region (host.region), so nodes of one fleet can sit in
-    different regions; credentials come from the AWS CLI's standard chain (AWS_PROFILE,
-    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and never pass through the program."""
+    different regions, and the stack's aws:profile / credentials (an explicit provider reads no
+    stack config); without them, the AWS CLI's standard chain (AWS_PROFILE, AWS_ACCESS_KEY_ID...)."""
 
     def __init__(self, name: str, args: InstanceArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("fimfleet:cloud:AwsInstance", name, None, opts)
         import pulumi_aws as aws
 
-        self.provider = aws.Provider(f"{name}-aws", region=args.region, opts=pulumi.ResourceOptions(parent=self))
+        self.provider = aws.Provider(f"{name}-aws", region=args.region, **args.account,
+                                     opts=pulumi.ResourceOptions(parent=self))
         child = pulumi.ResourceOptions(parent=self, provider=self.provider)
         invoke = pulumi.InvokeOptions(parent=self, provider=self.provider)
         tags = {**LABELS, "Name": f"fimfleet-{pulumi.get_stack()}-{name}"}

@@ -205,13 +205,51 @@ def check(host, raw_host: dict, tier, ingress, secrets) -> tuple:
     return replace(host, region=region, instance_type=name or "", admin_cidrs=list(cidrs), **facts), problems
 
 
+AWS_SETTINGS = {"aws:profile": "profile", "aws:accessKey": "access_key", "aws:secretKey": "secret_key",
+                "aws:token": "token", "aws:sharedCredentialsFiles": "shared_credentials_files",
+                "aws:sharedConfigFiles": "shared_config_files"}
+"""The stack's aws:* settings that each instance's own aws provider gets (an explicit provider
+reads no stack config): the account. The region is host.region, per instance."""
+
+
 def plain_credentials(values: dict, secret_full_keys) -> list:
-    """Problems for cloud credentials stored in plain text in the stack file."""
+    """Problems for cloud credentials stored in plain text in the stack file, and for aws:* keys
+    that no provider would read (the instances' providers are fimfleet's own)."""
     from components.config import Problem
 
-    return [Problem(k, "<plain text>", f"store it as a secret: pulumi config set --secret {k} ... "
-                                       f"(or leave it out and export {env})")
-            for k, env in CREDENTIALS.items() if k in values and k not in secret_full_keys]
+    problems = [Problem(k, "<plain text>", f"store it as a secret: pulumi config set --secret {k} ... "
+                                           f"(or leave it out and export {env})")
+                for k, env in CREDENTIALS.items() if k in values and k not in secret_full_keys]
+    for k in values:
+        if k == "aws:region":
+            problems.append(Problem(k, values[k], "each instance's region is fimfleet:host.region (default "
+                                    f"{DEFAULT_REGION['aws']}): pulumi config set --path fimfleet:host.region "
+                                    f"{values[k]}; then pulumi config rm aws:region"))
+        elif k.startswith("aws:") and k not in AWS_SETTINGS:
+            problems.append(Problem(k, "<ignored>", f"fimfleet's aws providers take only {', '.join(AWS_SETTINGS)}; "
+                                    "remove it, or set it in your AWS CLI profile and name that as aws:profile"))
+    return problems
+
+
+def aws_settings() -> dict:
+    """The stack's AWS_SETTINGS as aws.Provider arguments (credentials as secrets)."""
+    import json
+
+    import pulumi
+
+    conf, out = pulumi.Config("aws"), {}
+    for full, arg in AWS_SETTINGS.items():
+        key = full.split(":", 1)[1]
+        if conf.get(key) is None:
+            continue
+        if full in CREDENTIALS or full == "aws:accessKey":
+            out[arg] = conf.get_secret(key)
+        elif key.endswith("Files"):
+            value = conf.get(key)
+            out[arg] = json.loads(value) if value.startswith("[") else [value]
+        else:
+            out[arg] = conf.get(key)
+    return out
 
 
 def dns_record_name(domain: str, zone: str) -> str:

@@ -283,6 +283,27 @@ def test_cloud_credentials_in_plain_text_are_refused_naming_the_key():
     assert TOKEN not in text
 
 
+def test_the_stacks_aws_account_reaches_each_instances_provider_and_other_aws_keys_are_refused(mocks, monkeypatch):
+    """An explicit provider reads no stack config: without passing them on, aws:profile and the
+    keys were accepted and then silently replaced by whatever account the shell held."""
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    account = {"aws:profile": "prod-account", "aws:accessKey": "AKIAIOSFODNN7EXAMPLE", "aws:secretKey": secret,
+               "aws:sharedCredentialsFiles": '["/home/ops/.aws/credentials"]'}
+    cfg = config.from_mapping({**stack_values("aws-gpu-l40s"), **account}, SECRET | {"aws:secretKey"})
+    monkeypatch.setenv("PULUMI_CONFIG", json.dumps(account))  # where the engine hands a program its config
+    regs, _ = deploy(cfg, mocks)
+    provider = one(regs, "pulumi:providers:aws")
+    got = {k: unwrap(provider["inputs"].get(k)) for k in ("profile", "accessKey", "secretKey", "sharedCredentialsFiles")}
+    assert got == {"profile": "prod-account", "accessKey": "AKIAIOSFODNN7EXAMPLE", "secretKey": secret,
+                   "sharedCredentialsFiles": '["/home/ops/.aws/credentials"]'}  # a provider's inputs go as JSON text
+    assert {"secretKey", "accessKey"} <= provider["secret_fields"]
+    for extra, fix in (({"aws:region": "eu-west-1"}, "fimfleet:host.region eu-west-1"),
+                       ({"aws:skipMetadataApiCheck": "true"}, "take only aws:profile")):
+        with pytest.raises(config.ConfigError) as e:
+            config.from_mapping({**stack_values("aws-gpu-l40s"), **extra}, SECRET)
+        assert [p.key for p in e.value.problems] == list(extra) and fix in e.value.problems[0].fix
+
+
 @pytest.mark.parametrize("stack", sorted(STACKS))
 def test_host_connects_to_the_instance_address_after_it_exists(stack, mocks):
     cfg = stack_config(stack)
