@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from components import cache, host, ssh  # noqa: E402
+from components import cache, host, ssh, upload  # noqa: E402
 from benchmarks import _up_phases as up_phases  # noqa: E402
 from scripts import local_deploy as ld  # noqa: E402
 
@@ -94,9 +94,9 @@ def replay(steps: list[dict], state_dir: Path) -> list[dict]:
         for s in steps:
             t0 = time.monotonic()
             if s.get("files"):
-                ssh.put_files(client, s["files"])
+                upload.put_files(client, s["files"])
             for up in s.get("uploads") or ():
-                ssh.put_dir(client, up["local"], up["remote"])
+                upload.put_dir(client, up["local"], up["remote"])
             code, out, err = ssh.run(client, s["apply"], timeout_s=3600, env=s.get("env"))
             if code:
                 raise SystemExit(f"runbook step {s.get('label')} failed: {err[-2000:]}")

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from components import host, remote, ssh  # noqa: E402
+from components import host, remote, ssh, upload  # noqa: E402
 from scripts import local_deploy as ld  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "ssh_steps.json"
@@ -42,11 +42,11 @@ def files(i: int) -> list[dict]:
 
 def upload_as_before(client, fs: list[dict]) -> None:
     """The upload before 2026-12-06: a shell for `mkdir -p` of the parents, then SFTP."""
-    code, _, err = ssh.run(client, "mkdir -p -- " + " ".join(map(shlex.quote, ssh.parents(fs))))
+    code, _, err = ssh.run(client, "mkdir -p -- " + " ".join(map(shlex.quote, upload.parents(fs))))
     assert code == 0, err
     sftp = client.open_sftp()
     try:
-        ssh.write_files(sftp, fs)
+        upload.write_files(sftp, fs)
     finally:
         sftp.close()
 

@@ -21,7 +21,7 @@ from typing import Any
 import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, ReadResult, Resource, ResourceProvider, UpdateResult
 
-from components.errors import readable_failures, warn
+from components.errors import Error, readable_failures, warn
 from components.ssh import SshTarget, Unreachable, run, session, shared_session
 
 ID_FILE = "/var/lib/fimfleet/host-id"
@@ -47,7 +47,10 @@ class HostIdentityProvider(ResourceProvider):
             machine_id, found = (lines + ["unknown"])[0], (lines[1] if len(lines) > 1 else "")
             identity = found if found and (not keep or found == keep) else uuid.uuid4().hex
             if identity != found:
-                run(client, f"mkdir -p /var/lib/fimfleet && echo {identity} > {ID_FILE}")
+                code, _, err = run(client, f"mkdir -p /var/lib/fimfleet && echo {identity} > {ID_FILE}")
+                if code:
+                    raise Error(f"cannot record fimfleet's host id in {ID_FILE} on {t.where} ({err.strip()[-300:]}): "
+                                "is its disk full or /var/lib read-only? Fix that, then rerun `pulumi up`")
         host_key = pinned or seen[-1]
         bastion_key = pinned_bastion or (seen[0] if t.bastion_host and len(seen) > 1 else "")
         return {**props, "hostKeySeen": host_key, "bastionHostKeySeen": bastion_key, "machineId": machine_id,

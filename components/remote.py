@@ -30,7 +30,8 @@ import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, ReadResult, Resource, ResourceProvider, UpdateResult
 
 from components.errors import Error, readable_failures, warn
-from components.ssh import PROGRESS_PREFIX, SshTarget, Unreachable, put_dir, put_files, run, shared_session
+from components.ssh import PROGRESS_PREFIX, SshTarget, Unreachable, run, shared_session
+from components.upload import put_dir, put_files
 
 OUTPUT_TAIL = 4000
 """Bytes of stdout kept in state; scripts never print secrets, and stderr is only shown on failure."""
@@ -40,6 +41,12 @@ MARKER_DIR = "/var/lib/fimfleet/steps"
 
 
 STEP_KEYS = ("apply", "destroy", "files", "uploads", "env", "triggers")
+
+
+def reason(out: str, err: str) -> str:
+    """Why a script failed: its stderr without the progress lines, else its stdout."""
+    said = [l for l in err.splitlines() if not l.startswith(PROGRESS_PREFIX)]
+    return "\n".join(said if any(l.strip() for l in said) else out.splitlines())
 
 
 def _connection(props: dict) -> dict:
@@ -111,8 +118,7 @@ class RemoteStepProvider(ResourceProvider):
             if code == 0 and script_key == "destroy":
                 run(client, f"rm -f {shlex.quote(_marker(id_))}")
         if code != 0:
-            tail = "\n".join(l for l in (err or out).splitlines() if not l.startswith(PROGRESS_PREFIX))[-OUTPUT_TAIL:]
-            raise Error(f"{label}: {script_key} failed with exit {code} on {t.where}:\n{tail}")
+            raise Error(f"{label}: {script_key} failed with exit {code} on {t.where}:\n{reason(out, err)[-OUTPUT_TAIL:]}")
         return out[-OUTPUT_TAIL:]
 
     @staticmethod
@@ -178,7 +184,7 @@ class RemoteStepProvider(ResourceProvider):
             if props.get("check"):
                 code, out, err = run(client, props["check"], timeout_s=120, env=props.get("env"))
                 if code != 0:
-                    problems.append((err or out).strip()[-1000:])
+                    problems.append(reason(out, err).strip()[-1000:])
         outs = dict(props)
         if problems:
             warn(f"{label}: drift found on {_target(props).where}: {'; '.join(problems)}")

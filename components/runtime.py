@@ -22,7 +22,7 @@ import pulumi
 from components import engine, grammar, models, templates
 from components.config import StackConfig
 from components.remote import RemoteStep
-from components.ssh import dir_digest
+from components.upload import dir_digest
 
 STATE_DIR = "/var/lib/fimfleet/engine"
 WRITABLE_DIR = "/var/cache/fimfleet"

@@ -12,19 +12,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import math
 import shlex
 import socket
-import stat
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from components.errors import Error
 
 PROGRESS_PREFIX = "progress: "
 """A script's stderr lines with this prefix are shown live by `pulumi up` (long engine starts)."""
+LATE_S = 30.0
+"""How long past its time a script may take to report, once `timeout` on the host has stopped it."""
 HEARTBEAT_S = 30.0
 """A labelled step that has said nothing for this long says it still runs, with its last output line."""
 
@@ -307,6 +308,12 @@ def _connect(t: SshTarget, retries: int, accept_key: str, first_contact: bool):
             for c in (client, jump):
                 if c is not None:
                     c.close()
+            if isinstance(e, paramiko.AuthenticationException) and not first_contact:
+                # not retried: more refused logins only bring a host's fail2ban closer
+                who = f"{t.bastion_user or t.user}@{t.bastion_host}" if jump is not None and client is None else \
+                    f"{t.user}@{t.host}"
+                raise Error(f"{who} refused fimfleet:sshPrivateKey ({e}): add its public key to "
+                            f"~{who.split('@')[0]}/.ssh/authorized_keys there, or set the key that host trusts") from None
             last = e
             if attempt + 1 < retries:
                 time.sleep(2 * (attempt + 1))
@@ -326,9 +333,13 @@ def run(client, script: str, *, timeout_s: float = 1800, env: dict[str, str] | N
     says it still runs, with its last line of output, instead of minutes of bare dots."""
     exports = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in (env or {}).items())
     chan = client.get_transport().open_session()
-    chan.settimeout(timeout_s)
-    chan.exec_command("bash -s")
-    chan.sendall((exports + "set -euo pipefail\n" + script).encode())
+    chan.settimeout(timeout_s + LATE_S)
+    # `timeout` on the host stops the script's whole process group when its time is up (a closed
+    # channel would not: the script would run on beside the next `up`'s copy). bash parses the
+    # brace group whole before running it, so no command in it can read the rest of the script
+    # as its stdin.
+    chan.exec_command(f"timeout -k 10 {math.ceil(timeout_s)} bash -s")
+    chan.sendall((exports + "set -euo pipefail\n{\n" + script + "\n} </dev/null\n").encode())
     chan.shutdown_write()
     out, err = io.BytesIO(), io.BytesIO()
     pending = b""
@@ -363,112 +374,16 @@ def run(client, script: str, *, timeout_s: float = 1800, env: dict[str, str] | N
                   file=sys.stderr, flush=True)
         if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
             break
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline + LATE_S:
             chan.close()
-            raise Error(f"{label or 'remote script'} did not finish within {timeout_s:.0f}s")
+            raise Error(f"{label or 'remote script'} did not finish within {timeout_s:.0f}s, and the host stopped "
+                        "answering: it may still run there. Check the host, then rerun `pulumi up`")
         time.sleep(0.05)
     code = chan.recv_exit_status()
+    if code == -1:  # the channel closed without an exit status: the connection went away
+        raise Error(f"{label or 'remote script'}: the SSH connection closed before the script finished; what it "
+                    "did on the host is unknown. Rerun `pulumi up`: each step converges")
+    if code == 124 and time.monotonic() >= deadline - 1:
+        raise Error(f"{label or 'remote script'} did not finish within {timeout_s:.0f}s and was stopped on the "
+                    "host; see the host's journal for what it waited on, then rerun `pulumi up`")
     return code, out.getvalue().decode(errors="replace"), err.getvalue().decode(errors="replace")
-
-
-def _is_dir(sftp, path: str) -> bool:
-    try:
-        return stat.S_ISDIR(sftp.stat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
-def sftp_makedirs(sftp, path: str) -> None:
-    """`mkdir -p` over SFTP: a shell for it costs about 0.3 s on an emulated host, a stat 20 ms.
-    A directory that another step made meanwhile is no error."""
-    if _is_dir(sftp, path):
-        return
-    parent = path.rsplit("/", 1)[0]
-    if parent:
-        sftp_makedirs(sftp, parent)
-    try:
-        sftp.mkdir(path)
-    except OSError as e:
-        if not _is_dir(sftp, path):
-            raise Error(f"mkdir {path}: {e}") from None
-
-
-def parents(files: list[dict]) -> list[str]:
-    return sorted({f["path"].rsplit("/", 1)[0] or "/" for f in files})
-
-
-def _unchanged(sftp, path: str, mode: int, data: bytes) -> bool:
-    """`path` is already root's regular file with this mode and content. Rewriting it would only
-    move its mtime, which systemd takes for a changed unit (a daemon-reload: 2-4 s emulated)."""
-    try:
-        st = sftp.lstat(path)
-    except OSError:
-        return False
-    if (not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) != mode or st.st_size != len(data)
-            or (st.st_uid, st.st_gid) != (0, 0)):
-        return False
-    with sftp.open(path, "r") as fh:
-        return fh.read() == data
-
-
-def write_files(sftp, files: list[dict]) -> None:
-    """Each file atomically (tmp + rename) with its mode, into directories that exist; one that is
-    already as wanted is left untouched."""
-    for f in files:
-        path, mode, data = f["path"], int(str(f.get("mode", "0644")), 8), f["content"].encode()
-        if _unchanged(sftp, path, mode, data):
-            continue
-        tmp = f"{path}.fimfleet-{uuid.uuid4().hex[:8]}"
-        with sftp.open(tmp, "w") as fh:
-            sftp.chmod(tmp, mode)
-            fh.write(data)
-        sftp.posix_rename(tmp, path)
-
-
-def put_files(client, files: list[dict]) -> None:
-    """Atomically write files with their modes; parent directories are created."""
-    sftp = client.open_sftp()
-    try:
-        for parent in parents(files):
-            sftp_makedirs(sftp, parent)
-        write_files(sftp, files)
-    finally:
-        sftp.close()
-
-
-def put_dir(client, local: str, remote: str) -> None:
-    """Copy a local directory (binary files too) to `remote`, swapping it in whole at the end."""
-    from pathlib import Path
-
-    root = Path(local)
-    part = remote.rstrip("/") + ".fimfleet-part"
-    code, _, err = run(client, f"rm -rf {shlex.quote(part)} && mkdir -p {shlex.quote(part)}")
-    if code:
-        raise Error(f"preparing {part}: {err}")
-    sftp = client.open_sftp()
-    try:
-        for path in sorted(root.rglob("*")):
-            target = f"{part}/{path.relative_to(root).as_posix()}"
-            if path.is_dir():
-                sftp.mkdir(target)
-            else:
-                sftp.put(str(path), target)
-    finally:
-        sftp.close()
-    code, _, err = run(client, f"rm -rf {shlex.quote(remote)} && mv {shlex.quote(part)} {shlex.quote(remote)}")
-    if code:
-        raise Error(f"installing {remote}: {err}")
-
-
-def dir_digest(local: str) -> str:
-    """Content hash of a local directory, so an unchanged model is not copied again."""
-    from pathlib import Path
-
-    h = hashlib.sha256()
-    for path in sorted(Path(local).rglob("*")):
-        if path.is_file():
-            h.update(path.relative_to(local).as_posix().encode())
-            with path.open("rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-    return h.hexdigest()[:16]

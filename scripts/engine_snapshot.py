@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from components import config, host, runtime, ssh, templates  # noqa: E402
+from components import config, host, runtime, ssh, templates, upload  # noqa: E402
 
 NODE = "node"  # __main__.py's single node; a fleet's other nodes name their own
 
@@ -65,7 +65,7 @@ def snapshot_key(base: dict, steps: dict) -> str:
     scripts = steps["scripts"] if steps["kind"] == "systemd" else {k: v for k, v in steps["scripts"].items()
                                                                    if k != "install"}
     return templates.digest(base["dir"], base.get("created_at"), steps["packages"], scripts,
-                            steps["files"], steps["lock"], steps["remote_model"], ssh.dir_digest(steps["model"]))
+                            steps["files"], steps["lock"], steps["remote_model"], upload.dir_digest(steps["model"]))
 
 
 def _run(client, what: str, script: str, timeout_s: float, node: str) -> str:
@@ -87,11 +87,11 @@ def provision(vm_state: Path, steps: dict, start_timeout_s: float, who: str) -> 
     with ssh.session(ssh.SshTarget.from_props(host.testbed_connection(str(vm_state)))) as client:
         run(client, "packages", steps["packages"], 1800)
         if steps["kind"] == "systemd":
-            ssh.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
+            upload.put_files(client, [{"path": runtime.REMOTE_LOCK, "mode": "0644", "content": steps["lock"]}])
         run(client, "vLLM virtualenv" if steps["kind"] == "systemd" else "engine image pull", sh["install"], 3600)
-        ssh.put_dir(client, steps["model"], steps["remote_model"])
+        upload.put_dir(client, steps["model"], steps["remote_model"])
         run(client, "model", sh["model"], 600)
-        ssh.put_files(client, steps["files"])
+        upload.put_files(client, steps["files"])
         say(f"starting {who}'s engine once (under emulation this takes several minutes; progress follows)")
         return run(client, "engine start", sh["start"], start_timeout_s + 120)
 

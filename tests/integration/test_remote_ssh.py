@@ -343,3 +343,72 @@ def test_steps_waiting_on_a_host_that_is_gone_share_its_failure_and_a_later_step
     for shared in ssh._shared.values():  # its session's own sshd process outlives the server: cut it too
         shared.close()
     assert isinstance(create(0), ssh.Unreachable) and attempts[-1] == ssh.RETRIES
+
+
+# ------------------------------------------------------------------ failures a user can read
+
+
+def test_a_step_past_its_time_is_stopped_on_the_host_not_left_running(sshd):
+    """A closed channel does not end the script: it ran on beside the next `up`'s copy."""
+    ident = first_contact(sshd)
+    late = sshd.varlib / "fimfleet" / "late"
+    with pytest.raises(remote.Error, match="did not finish within 2s and was stopped on the host"):
+        remote.RemoteStepProvider().create(step(pinned(sshd, ident), timeoutS=2, label="vLLM service",
+                                                apply="sleep 5 && touch /var/lib/fimfleet/late"))
+    time.sleep(5)
+    assert not late.exists()
+
+
+def test_a_connection_lost_mid_step_says_so_instead_of_an_exit_code(sshd):
+    ident = first_contact(sshd)
+
+    def cut():
+        time.sleep(1.5)
+        for pid in subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)  # the session processes sshd forked: the host went away
+
+    threading.Thread(target=cut, daemon=True).start()
+    with pytest.raises(remote.Error) as err:
+        remote.RemoteStepProvider().create(step(pinned(sshd, ident), label="packages", apply="sleep 10"))
+    assert "the SSH connection closed before the script finished" in str(err.value)
+    assert "exit -1" not in str(err.value)
+
+
+def test_no_command_of_a_script_can_read_the_rest_of_it_as_stdin(sshd):
+    """bash -s reads its script from stdin: a command there that reads stdin (a dpkg prompt)
+    swallowed the lines after it, and the script ended early with exit 0."""
+    ident = first_contact(sshd)
+    with ssh.session(ssh.SshTarget.from_props(pinned(sshd, ident))) as client:
+        code, out, _ = ssh.run(client, "echo before\ncat >/dev/null\necho after")
+    assert (code, out.split()) == (0, ["before", "after"])
+
+
+def test_a_refused_key_is_named_as_such_at_once(sshd):
+    """Not 'cannot reach ... after 3 attempts': the host answered, and said no."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    other = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()).decode()
+    t0 = time.monotonic()
+    with pytest.raises(remote.Error) as err:
+        remote.RemoteStepProvider().create(step(sshd.connection(other, hostKey=sshd.host_key, identity="x")))
+    assert "refused fimfleet:sshPrivateKey" in str(err.value) and "authorized_keys" in str(err.value)
+    assert time.monotonic() - t0 < 2, "retried with backoff"
+
+
+def test_a_reason_given_on_stdout_is_shown_when_stderr_holds_only_progress(sshd):
+    ident = first_contact(sshd)
+    script = "echo 'progress: starting' >&2; echo 'port 8000 is in use by pid 4242'; exit 1"
+    with pytest.raises(remote.Error, match="port 8000 is in use by pid 4242"):
+        remote.RemoteStepProvider().create(step(pinned(sshd, ident), apply=script, label="vLLM service"))
+
+
+def test_a_file_that_cannot_be_written_is_named_and_leaves_no_partial_copy(sshd):
+    ident = first_contact(sshd)
+    (sshd.varlib / "fimfleet" / "adir" / "x").mkdir(parents=True)  # a directory where the file goes
+    with pytest.raises(remote.Error) as err:
+        remote.RemoteStepProvider().create(step(pinned(sshd, ident), files=[
+            {"path": "/var/lib/fimfleet/adir", "mode": "0600", "content": "secret"}]))
+    assert "cannot write /var/lib/fimfleet/adir on the host" in str(err.value) and "df -h" in str(err.value)
+    assert sorted(p.name for p in (sshd.varlib / "fimfleet").iterdir()) == ["adir", "host-id"]
