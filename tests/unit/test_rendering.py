@@ -285,3 +285,27 @@ def test_the_kv_capacity_step_reads_what_vllm_allocated(tmp_path, metrics, token
                           env={"PATH": f"{stubs}:/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert runtime.reported(proc.stdout, "kv_cache_tokens") == tokens
+
+
+@pytest.mark.parametrize("answers, code, said", [
+    (["lock", "lock", "ok"], 0, "waiting for it"),        # apt-daily held the lists lock for a while
+    (["Temporary failure resolving"], 1, "Temporary failure resolving"),  # anything else fails at once
+    (["lock"] * 60, 1, "held apt's lock for 5 minutes"),
+])
+def test_apt_update_waits_for_another_apt_runs_lock_and_only_for_that(answers, code, said, tmp_path):
+    """A fresh cloud host runs apt-daily at boot: `apt-get update` failed at once on its lists
+    lock (DPkg::Lock::Timeout covers dpkg's lock only)."""
+    from components import templates
+
+    helper = templates.render("host/apt-update.sh.j2")
+    calls = tmp_path / "calls"  # apt_update runs apt-get in a command substitution: count in a file
+    calls.write_text("0")
+    script = (f"answers=({' '.join(repr(a) for a in answers)}); calls={calls}; apt_opts=(-q)\n"
+              "apt-get() { local n; n=$(<\"$calls\"); echo $((n + 1)) >\"$calls\"; local a=${answers[n]}; case $a in ok) return 0 ;;"
+              " lock) echo 'E: Could not get lock /var/lib/apt/lists/lock. It is held by process 99 (apt-get)' >&2 ;;"
+              " *) echo \"E: $a\" >&2 ;; esac; return 100; }\nsleep() { :; }\n"
+              f"{helper}\napt_update; rc=$?; echo \"calls=$(<\"$calls\")\"; exit $rc\n")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == code and said in r.stderr, r.stderr
+    assert r.stdout.strip() == f"calls={len(answers)}"
+    assert r.stderr.count("waiting for it") == (1 if answers[0] == "lock" else 0)
