@@ -2,15 +2,17 @@
 
 Every message names the stack config key to change. The CrossGuard wiring lives in
 policy/__main__.py; the facts come from the stack config that the engine hands to the
-policy pack (policy/server.py) and from the resources of the preview.
+policy pack (policy/server.py) and from the resources of the preview. The SSH rule and its
+reading of cloud firewall inputs live in policy/firewall.py, the CIDR helpers in policy/networks.py.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import base64
+import binascii
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,11 @@ from typing import Any
 import yaml
 
 from components.config import NAMESPACE, SlaConfig
+from components.problems import SECRET_KEYS
+from components.sla.thresholds import SlaThresholds, judged_limits
 from components.tiers import TIERS
+from policy.firewall import IngressRule, ingress_rules, shown, ssh_beyond_admin_cidrs  # noqa: F401 - the SSH rule
+from policy.networks import world_open
 
 SECRET_SIG_KEY = "4dabf18193072939515e22adb298388d"
 SECRET_SIG = "1b47061264138c4ac30d75fd1eb44270"
@@ -28,16 +34,15 @@ SECRET_SIG = "1b47061264138c4ac30d75fd1eb44270"
 CREDENTIAL_KEY = re.compile(r"(?i)(private_?key|api_?keys?|tls_?key|token|secret_?key|password|passphrase)$")
 PRIVATE_KEY_PEM = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
 MIN_SECRET_CHARS = 16
-"""Shorter config values are not searched for in resource inputs (too many false hits)."""
+"""Shorter values of keys not known to hold a secret are not searched for in resource inputs (too many
+false hits); those of known secret keys are, as whole words."""
+BASE64_RUN = re.compile(r"[A-Za-z0-9+/]{12,}={0,2}")
+"""A run of base64 in an input (docker's config.json holds auth = base64("user:password"))."""
 
 SLA_LIMITS = {"ttft_p50_ms": ("ttftP50Ms", "max"), "ttft_p95_ms": ("ttftP95Ms", "max"),
               "ttft_p99_ms": ("ttftP99Ms", "max"), "min_decode_tokens_per_s": ("minDecodeTokensPerS", "min"),
               "min_decode_ceiling_fraction": ("minDecodeCeilingFraction", "min"), "max_errors": ("maxErrors", "max")}
 """FimSlaCheck threshold -> (fimfleet:sla config key, which side is stricter)."""
-
-WORLD = {4: ipaddress.ip_network("0.0.0.0/0"), 6: ipaddress.ip_network("::/0")}
-V4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
-
 
 def decode(value: str) -> Any:
     """A config value as the engine sends it: JSON for maps, lists, numbers and booleans."""
@@ -79,13 +84,15 @@ class StackFacts:
 
     @property
     def is_prod(self) -> bool:
-        return self.stack.endswith("-prod")
+        """*-prod in any case (x-PROD too): a production stack gets the prod rules."""
+        return self.stack.lower().endswith("-prod")
 
     @property
     def is_local(self) -> bool:
-        """The local test VM stacks (local, local-fleet, ...) or any stack on the local-vm tier/host kind."""
-        return (self.stack == "local" or self.stack.startswith("local-") or self.tier == "local-vm"
-                or self.get("host.kind") == "local-vm")
+        """The local test VM stacks (local, local-fleet, ...) or any stack on the local-vm tier/host kind;
+        never a *-prod stack (local-prod gets the prod rules, not the local exemptions)."""
+        return not self.is_prod and (self.stack == "local" or self.stack.startswith("local-")
+                                     or self.tier == "local-vm" or self.get("host.kind") == "local-vm")
 
     def find(self, name: str) -> list[tuple[str, Any]]:
         """Every (config key path, value) whose last key is `name`, at any depth of the fimfleet config
@@ -108,19 +115,23 @@ class StackFacts:
         return found
 
     def credentials(self) -> dict[str, str]:
-        """Credential values from the config (secret or not) -> the config key they came from."""
+        """Credential values from the config (secret or not) -> the config key they came from. A short
+        value counts when its key is known to hold a secret (fimfleet's secret keys, or one the engine
+        holds as secret): a 14-character registry password is still a password."""
         out: dict[str, str] = {}
 
-        def leaves(key: str, value: Any) -> None:
+        def leaves(key: str, value: Any, known: bool) -> None:
             if isinstance(value, dict):
                 for k, v in value.items():
-                    leaves(f"{key}.{k}", v)
-            elif isinstance(value, str) and len(value) >= MIN_SECRET_CHARS:
+                    leaves(f"{key}.{k}", v, known)
+            elif isinstance(value, str) and value and (known or len(value) >= MIN_SECRET_CHARS):
                 out[value] = key
 
         for key, value in self.config.items():
-            if CREDENTIAL_KEY.search(key.split(":", 1)[-1]):
-                leaves(key, value)
+            short = key.split(":", 1)[-1]
+            if CREDENTIAL_KEY.search(short):
+                known = key in self.secret_keys or (key.startswith(NAMESPACE + ":") and short in SECRET_KEYS)
+                leaves(key, value, known)
         return out
 
 
@@ -185,20 +196,45 @@ def plaintext_leaves(props: Any, path: str = "") -> Iterable[tuple[str, str]]:
         yield path, props
 
 
+def base64_decoded(text: str) -> Iterable[str]:
+    """The text of every base64 run in `text`, read from each of the 4 alignments (the run may start
+    before the encoded part, as in "/etc/x/<base64>")."""
+    for run in BASE64_RUN.findall(text):
+        for skip in range(4):
+            chunk = run[skip:]
+            try:
+                yield base64.b64decode(chunk[:len(chunk) - len(chunk) % 4], validate=True).decode("utf-8", "replace")
+            except (binascii.Error, ValueError):
+                pass
+
+
+def _holds(text: str, value: str) -> bool:
+    """`value` is in `text`; a short one only as a whole word (not a part of a longer token)."""
+    if len(value) >= MIN_SECRET_CHARS:
+        return value in text
+    return re.search(rf"(?<![A-Za-z0-9]){re.escape(value)}(?![A-Za-z0-9])", text) is not None
+
+
+def _credential_in(text: str, creds: Mapping[str, str]) -> tuple[str, str] | None:
+    """("private key" or "value", config key) of what `text` leaks, if anything."""
+    if PRIVATE_KEY_PEM.search(text):
+        return "private key", next((k for v, k in creds.items() if v in text),
+                                   f"{NAMESPACE}:sshPrivateKey / {NAMESPACE}:tlsKey")
+    return next((("value", key) for value, key in creds.items() if _holds(text, value)), None)
+
+
 def plaintext_credentials_in_inputs(name: str, raw_props: Mapping[str, Any], facts: StackFacts) -> list[str]:
-    """Inputs of one resource that carry a private key or a configured credential outside a Pulumi secret."""
+    """Inputs of one resource that carry a private key or a configured credential outside a Pulumi secret,
+    as it is or base64-encoded (base64 hides nothing)."""
     creds = facts.credentials()
     out = []
     for path, text in plaintext_leaves(dict(raw_props)):
-        if PRIVATE_KEY_PEM.search(text):
-            key = next((k for v, k in creds.items() if v in text), f"{NAMESPACE}:sshPrivateKey / {NAMESPACE}:tlsKey")
-            out.append(f"{name}: input {path} holds a private key in plain text: {key} must reach "
-                       "resources as a Pulumi secret (pulumi.Output.secret).")
-            continue
-        for value, key in creds.items():
-            if value in text:
-                out.append(f"{name}: input {path} holds the value of {key} in plain text: it must reach "
-                           "resources as a Pulumi secret (pulumi.Output.secret).")
+        for how, body in (("", text), *((" base64-encoded", d) for d in base64_decoded(text))):
+            if found := _credential_in(body, creds):
+                what, key = found
+                held = (f"holds a private key{how} in plain text: {key} must reach" if what == "private key" else
+                        f"holds the value of {key}{how} in plain text: it must reach")
+                out.append(f"{name}: input {path} {held} resources as a Pulumi secret (pulumi.Output.secret).")
                 break
     return out
 
@@ -219,30 +255,6 @@ def self_signed_tls(facts: StackFacts) -> list[str]:
 
 
 # --- /metrics -------------------------------------------------------------------------
-
-def _network(text: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
-    if isinstance(text, str) and text.strip().lower() in ("all", "any", "0/0"):
-        return WORLD[4]
-    try:
-        return ipaddress.ip_network(str(text).strip(), strict=False)
-    except ValueError:
-        return None
-
-
-def world_open(cidrs: Iterable[Any]) -> list[str]:
-    """Which of 0.0.0.0/0 and ::/0 the networks cover together (0.0.0.0/1 + 128.0.0.0/1 count,
-    and so does the IPv4-mapped IPv6 range)."""
-    nets = [n for n in map(_network, cidrs) if n is not None]
-    v4 = [n for n in nets if n.version == 4]
-    v6 = [n for n in nets if n.version == 6]
-    for n in v6:
-        if V4_MAPPED.subnet_of(n):
-            v4.append(WORLD[4])
-        elif n.subnet_of(V4_MAPPED):
-            v4.append(ipaddress.IPv4Network((int(n.network_address) & 0xFFFFFFFF, n.prefixlen - 96)))
-    return [str(WORLD[f]) for f, group in ((4, v4), (6, v6))
-            if any(n.prefixlen == 0 for n in ipaddress.collapse_addresses(group))]
-
 
 def metrics_open_to_world(facts: StackFacts) -> list[str]:
     out = []
@@ -265,6 +277,31 @@ def tier_limits(tier: str) -> dict[str, float]:
     return {field: defaults[key] for field, (key, _) in SLA_LIMITS.items() if defaults.get(key) is not None}
 
 
+def judged_thresholds(name: str, thresholds: Any) -> tuple[dict[str, Any], list[str]]:
+    """The limits the FimSlaCheck provider judges by, read as it reads them (SlaThresholds.from_dict, so
+    "90000" is 90000 ms, and judged_limits), or violations naming each threshold it cannot read."""
+    if thresholds is None:
+        thresholds = {}
+    if not isinstance(thresholds, Mapping):
+        return {}, [f"{name}: input thresholds = {shown(thresholds)} is not a map of SLA limits: set the limits "
+                    f"under {NAMESPACE}:sla."]
+    data = dict(thresholds)
+    try:
+        return judged_limits(SlaThresholds.from_dict(data)), []
+    except (TypeError, ValueError) as exc:
+        refused = str(exc)
+    out = []
+    for field, value in data.items():
+        try:
+            SlaThresholds.from_dict({field: value})
+        except (TypeError, ValueError) as exc:
+            fix = (f"set {NAMESPACE}:sla.{SLA_LIMITS[field][0]} to a number" if field in SLA_LIMITS else
+                   f"leave {field} out (the program sets the thresholds from {NAMESPACE}:sla)")
+            out.append(f"{name}: threshold {field} = {shown(value)} cannot be read ({exc}): {fix}.")
+    return {}, out or [f"{name}: the SLA provider refuses the thresholds {shown(data)} ({refused}): fix them "
+                       f"under {NAMESPACE}:sla."]
+
+
 def sla_gate(facts: StackFacts, checks: list[tuple[str, Mapping[str, Any] | None]], nodes: int) -> list[str]:
     """On *-prod stacks every node is gated by an SLA check whose limits are no looser than the tier's.
 
@@ -278,95 +315,26 @@ def sla_gate(facts: StackFacts, checks: list[tuple[str, Mapping[str, Any] | None
     limits = tier_limits(facts.tier)
     out = []
     for name, thresholds in checks:
-        thresholds = thresholds if isinstance(thresholds, Mapping) else {}
+        judged, unreadable = judged_thresholds(name, thresholds)
+        if unreadable:
+            out += unreadable
+            continue
         for field, want in limits.items():
             key, stricter = SLA_LIMITS[field]
-            got = thresholds.get(field)
-            looser = got is None if field != "max_errors" else False
-            if isinstance(got, (int, float)):
-                looser = got > want if stricter == "max" else got < want
-            if looser:
+            got = judged.get(field)
+            rate = judged.get("max_error_rate")
+            if field == "max_errors" and rate is not None and (rate == 0 or got is None):
+                if rate != 0:  # judged_limits keeps max_errors or max_error_rate: the rate is the error limit
+                    out.append(f"{name}: max_error_rate = {rate:g} without max_errors is looser than the "
+                               f"{facts.tier} tier's {NAMESPACE}:sla.maxErrors = {want:g} (it lets {rate:.0%} of the "
+                               f"probe's requests fail): set {NAMESPACE}:sla.maxErrors to at most {want:g} and leave "
+                               f"max_error_rate out of the thresholds.")
+                continue
+            if got is None or (got > want if stricter == "max" else got < want):
                 bound = "at most" if stricter == "max" else "at least"
-                shown = "no limit" if got is None else f"{got:g}"
-                out.append(f"{name}: {NAMESPACE}:sla.{key} = {shown} is looser than the {facts.tier} tier's "
+                value = "no limit" if got is None else f"{got:g}"
+                out.append(f"{name}: {NAMESPACE}:sla.{key} = {value} is looser than the {facts.tier} tier's "
                            f"{want:g}: set {NAMESPACE}:sla.{key} to {bound} {want:g}.")
-    return out
-
-
-# --- SSH on provisioned instances -----------------------------------------------------
-
-@dataclass(frozen=True)
-class IngressRule:
-    protocol: str
-    """tcp, udp, icmp, ... or "all"."""
-    ports: tuple[int, int] | None
-    """Inclusive port range; None means every port."""
-    sources: tuple[str, ...]
-
-
-def _port_range(text: Any) -> tuple[int, int] | None:
-    text = str(text).strip().lower()
-    if text in ("", "any", "all", "none", "-1", "0-65535", "1-65535"):
-        return None
-    lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
-
-
-def _aws_protocol(p: Any) -> str:
-    p = str(p).lower()
-    return {"-1": "all", "6": "tcp", "17": "udp"}.get(p, p)
-
-
-def ingress_rules(rtype: str, props: Mapping[str, Any]) -> list[IngressRule] | None:
-    """Inbound rules of a cloud firewall resource, from the inputs of pulumi-hcloud, pulumi-aws and
-    pulumi-digitalocean (camelCase wire names). None for any other resource type."""
-    def lst(v: Any) -> list:  # the SDK hands lists and maps over as read-only proxies
-        return list(v) if isinstance(v, Sequence) and not isinstance(v, str) else []
-
-    if rtype == "hcloud:index/firewall:Firewall":
-        return [IngressRule(str(r.get("protocol", "")).lower(),
-                            _port_range(r.get("port")) if str(r.get("protocol", "")).lower() in ("tcp", "udp") else None,
-                            tuple(lst(r.get("sourceIps"))))
-                for r in lst(props.get("rules")) if str(r.get("direction", "in")).lower() == "in"]
-    if rtype == "digitalocean:index/firewall:Firewall":
-        return [IngressRule(str(r.get("protocol", "")).lower(), _port_range(r.get("portRange")),
-                            tuple(lst(r.get("sourceAddresses")))) for r in lst(props.get("inboundRules"))]
-    if rtype == "aws:ec2/securityGroup:SecurityGroup":
-        rules = lst(props.get("ingress"))
-    elif rtype == "aws:ec2/securityGroupRule:SecurityGroupRule":
-        rules = [props] if str(props.get("type", "")).lower() == "ingress" else []
-    elif rtype == "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule":
-        rules = [{"protocol": props.get("ipProtocol"), "fromPort": props.get("fromPort"), "toPort": props.get("toPort"),
-                  "cidrBlocks": [props["cidrIpv4"]] if props.get("cidrIpv4") else [],
-                  "ipv6CidrBlocks": [props["cidrIpv6"]] if props.get("cidrIpv6") else []}]
-    else:
-        return None
-    out = []
-    for r in rules:
-        proto = _aws_protocol(r.get("protocol", "all"))
-        lo, hi = r.get("fromPort"), r.get("toPort")
-        ports = None if proto == "all" or lo is None else _port_range(f"{int(lo)}-{int(hi if hi is not None else lo)}")
-        out.append(IngressRule(proto, ports, tuple(lst(r.get("cidrBlocks")) + lst(r.get("ipv6CidrBlocks")))))
-    return out
-
-
-def ssh_beyond_admin_cidrs(facts: StackFacts, name: str, rtype: str, props: Mapping[str, Any]) -> list[str]:
-    """Port 22/tcp of a provisioned instance is reachable only from the networks in host.adminCidrs."""
-    rules = ingress_rules(rtype, props)
-    if not rules:
-        return []
-    admin = [n for _, cidrs in facts.find("adminCidrs") for n in map(_network, cidrs if isinstance(cidrs, list) else [cidrs])
-             if n is not None]
-    out = []
-    for rule in rules:
-        if rule.protocol not in ("tcp", "all") or (rule.ports and not rule.ports[0] <= 22 <= rule.ports[1]):
-            continue
-        for src in rule.sources:
-            net = _network(src)
-            if net is None or not any(net.version == a.version and net.subnet_of(a) for a in admin):
-                out.append(f"{name}: SSH (22/tcp) is open to {src}, outside {NAMESPACE}:host.adminCidrs = "
-                           f"{json.dumps([str(a) for a in admin])}: add your admin network to "
-                           f"{NAMESPACE}:host.adminCidrs (the firewall opens 22 to those networks only).")
     return out
 
 
