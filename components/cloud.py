@@ -168,14 +168,15 @@ class AwsInstance(pulumi.ComponentResource):
                      for port, cidrs, why in ingress_rules(args)],
             egress=[{"protocol": "-1", "from_port": 0, "to_port": 0, "cidr_blocks": ["0.0.0.0/0"], "ipv6_cidr_blocks": ["::/0"]}])
         # A newer AMI release must not replace a serving instance: the lookup counts at creation only
-        # (`pulumi up --replace <urn>` moves to the newest image on purpose).
+        # (`pulumi up --replace <urn>` moves to the newest image on purpose). A host.image the user
+        # sets is theirs to change: a new one replaces the instance, as on Hetzner.
         self.server = aws.ec2.Instance(
             f"{name}-server", ami=ami, instance_type=args.instance_type, key_name=self.key.key_name,
             vpc_security_group_ids=[self.firewall.id], associate_public_ip_address=True, user_data=args.user_data,
             root_block_device={"volume_size": ROOT_DISK_GIB, "volume_type": "gp3", "encrypted": True,
                                "delete_on_termination": True},
             metadata_options={"http_tokens": "required"}, tags=tags,
-            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["ami"])))
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=[] if args.image else ["ami"])))
         self.address: pulumi.Output[str] = self.server.public_ip
         self.reachable = SshReachable(f"{name}-ssh", host=self.address, opts=pulumi.ResourceOptions(parent=self))
         self.dns = None

@@ -344,6 +344,15 @@ def test_hcloud_nodes_of_one_fleet_share_one_ssh_key_which_keeps_the_single_node
     assert [(a.spec.name, a.spec.parentUrn) for a in key["aliases"]] == [("a-host-cloud-key", instance)]
 
 
+def test_an_image_the_user_sets_is_not_ignored_when_it_changes(mocks):
+    """Only the looked-up AMI is kept at creation; host.image set in the stack is the user's to change."""
+    cfg = stack_config("aws-gpu-l40s", image="ami-0fedcba9876543210")
+    regs, _ = deploy(cfg, mocks)
+    server = one(regs, "aws:ec2/instance:Instance")
+    assert server["inputs"]["ami"] == "ami-0fedcba9876543210" and not server["ignore_changes"]
+    assert not [a for t, a in mocks.calls if t == "aws:ec2/getAmi:getAmi"]
+
+
 @pytest.mark.parametrize("stack", sorted(STACKS))
 def test_destroy_removes_everything_in_order(stack, mocks):
     """`pulumi destroy` deletes dependents first: every SSH step while the instance and its
