@@ -37,6 +37,8 @@ OUTPUT_TAIL = 4000
 """Bytes of stdout kept in state; scripts never print secrets, and stderr is only shown on failure."""
 MARKER_DIR = "/var/lib/fimfleet/steps"
 """Each applied step leaves its digest here; a wiped host has none, so refresh finds it."""
+PENDING = "pending"
+"""A marker while an update is under way: no digest matches it."""
 
 
 
@@ -83,11 +85,12 @@ def _mark_command(id_: str, digest: str) -> str:
     return f"mkdir -p {MARKER_DIR} && printf %s {digest} > {shlex.quote(_marker(id_))}"
 
 
-def _then_mark(script: str, id_: str, digest: str) -> str:
+def _then_mark(script: str, id_: str, digest: str, pending: bool = False) -> str:
     """The apply in a subshell, then its marker, in one shell on the host (a second one costs
     about 0.3 s emulated): an `exit 0` in the script ends only the subshell, and a failure ends
-    both (set -e) before the marker is written."""
-    return f"(\n:\n{script}\n)\n{_mark_command(id_, digest)}\n"
+    both (set -e) before the marker is written. `pending`: the marker says so first."""
+    first = f"{_mark_command(id_, PENDING)}\n" if pending else ""
+    return f"{first}(\n:\n{script}\n)\n{_mark_command(id_, digest)}\n"
 
 
 def _target(props: dict) -> SshTarget:
@@ -101,18 +104,23 @@ def _gone(props: dict) -> bool:
 class RemoteStepProvider(ResourceProvider):
     """Dynamic provider behind RemoteStep; see the module docstring."""
 
-    def _exec(self, id_: str, props: dict, script_key: str) -> str:
+    def _exec(self, id_: str, props: dict, script_key: str, update: bool = False) -> str:
+        """`update`: the step is in the state already. Its marker says "pending" from before the
+        first byte changes until the apply succeeds, so a failed update is drift for `refresh`:
+        otherwise a config rolled back to what the state holds finds no diff, and the host keeps
+        the failed update's half."""
         label = props.get("label", "remote step")
         script = props.get(script_key) or ""
         t = _target(props)
         with shared_session(t) as client:
             if script_key == "apply":
-                if props.get("files"):
-                    put_files(client, props["files"])
+                pending = [{"path": _marker(id_), "mode": "0644", "content": PENDING}] if update else []
+                if props.get("files") or props.get("uploads"):
+                    put_files(client, pending + list(props.get("files") or ()))
+                    pending = []
                 for up in props.get("uploads") or ():
                     put_dir(client, up["local"], up["remote"])
-            if script_key == "apply":
-                script = _then_mark(script, id_, _digest(props))
+                script = _then_mark(script, id_, _digest(props), pending=bool(pending))
             code, out, err = (run(client, script, timeout_s=float(props.get("timeoutS", 1800)), env=props.get("env"),
                                   label=label) if script else (0, "", ""))
             if code == 0 and script_key == "destroy":
@@ -144,7 +152,7 @@ class RemoteStepProvider(ResourceProvider):
                 with shared_session(_target(news)) as client:
                     self._mark(client, id_, _digest(news))
             return UpdateResult(outs={**news, "stdout": olds.get("stdout", ""), "appliedDigest": _digest(news)})
-        return UpdateResult(outs=self._outs(news, self._exec(id_, news, "apply")))
+        return UpdateResult(outs=self._outs(news, self._exec(id_, news, "apply", update=True)))
 
     @readable_failures
     def delete(self, id_: str, props: dict[str, Any]) -> None:

@@ -412,3 +412,16 @@ def test_a_file_that_cannot_be_written_is_named_and_leaves_no_partial_copy(sshd)
             {"path": "/var/lib/fimfleet/adir", "mode": "0600", "content": "secret"}]))
     assert "cannot write /var/lib/fimfleet/adir on the host" in str(err.value) and "df -h" in str(err.value)
     assert sorted(p.name for p in (sshd.varlib / "fimfleet").iterdir()) == ["adir", "host-id"]
+
+
+@pytest.mark.parametrize("files", [[], [{"path": "/var/lib/fimfleet/unit.conf", "mode": "0644", "content": "v2\n"}]])
+def test_a_failed_update_is_drift_for_refresh_even_if_the_config_goes_back(sshd, files):
+    """The state keeps the old step when an update fails, while the host may hold the new half: with
+    the config rolled back there is no diff, so only the marker can tell refresh to apply it again."""
+    ident = first_contact(sshd)
+    p = remote.RemoteStepProvider()
+    v1 = p.create(step(pinned(sshd, ident), apply="echo v1"))
+    with pytest.raises(remote.Error, match="exit 7"):
+        p.update(v1.id, v1.outs, step(pinned(sshd, ident), files=files, apply="exit 7"))
+    assert (sshd.varlib / "fimfleet" / "steps" / v1.id).read_text() == "pending"
+    assert p.read(v1.id, v1.outs).outs["appliedDigest"] == "drifted"
