@@ -105,7 +105,8 @@ def render(args: KernelArgs) -> RenderedKernel:
     ]
     return RenderedKernel(
         files=files,
-        apply=templates.render("kernel/apply.sh.j2", sysctl=sysctl, sysfs=sysfs, modules=MODULES, verify=verify, **paths),
+        apply=templates.render("kernel/apply.sh.j2", sysctl=sysctl, sysfs={**sysfs, **debugfs}, modules=MODULES,
+                               verify=verify, **paths),
         check=verify,
         destroy=templates.render("kernel/destroy.sh.j2", **paths),
         sysctl=sysctl,

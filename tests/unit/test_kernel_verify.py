@@ -96,3 +96,26 @@ def test_the_defaults_apply_records_are_what_sysctl_and_the_sysfs_choice_show():
     want += [subprocess.run(["sed", "-n", r"s/.*\[\(.*\)\].*/\1/p;t;p", p], capture_output=True, text=True).stdout
              .splitlines()[0] for p in paths]
     assert proc.stdout.splitlines() == want
+
+
+def test_defaults_are_recorded_per_name_once_so_a_key_added_later_is_restored_too(tmp_path):
+    """Recorded only at the first apply, a sysctl added to the stack later (and the debugfs knob)
+    kept fimfleet's value after `destroy`; recording one twice would record fimfleet's own."""
+    knob = tmp_path / "migration_cost_ns"
+    knob.write_text("500000\n")
+
+    def apply(names: list[str], live: dict[str, str]) -> str:
+        script = (f"state={tmp_path}; sysctl_names=({' '.join(names)}); sysfs_paths=({knob} {tmp_path}/absent)\n"
+                  + templates.render("kernel/live.sh.j2")
+                  + "live_sysctl() { case $1 in " + " ".join(f"{k}) live={v} ;;" for k, v in live.items()) + " esac; }\n"
+                  + templates.render("kernel/record-defaults.sh.j2") + "record_defaults\n")
+        subprocess.run(["bash", "-euo", "pipefail", "-c", script], check=True, timeout=30)
+        return (tmp_path / "defaults.conf").read_text()
+
+    first = apply(["vm.swappiness"], {"vm.swappiness": "60"})
+    assert first == f"vm.swappiness = 60\nsysfs {knob} 500000\n"
+    knob.write_text("5000000\n")  # fimfleet's values are live now
+    later = apply(["vm.swappiness", "net.core.somaxconn"], {"vm.swappiness": "10", "net.core.somaxconn": "4096"})
+    assert later == first + "net.core.somaxconn = 4096\n"
+    assert apply(["vm.swappiness", "net.core.somaxconn"], {"vm.swappiness": "10", "net.core.somaxconn": "1"}) == later
+    assert not (tmp_path / "defaults.tmp").exists()
