@@ -44,6 +44,17 @@ def test_the_venv_fimfleet_installed_is_deleted(tmp_path):
     assert (tmp_path / "opt").is_dir()
 
 
+def test_a_destroy_cut_short_and_an_install_cut_short_leave_nothing_after_the_next_destroy(tmp_path):
+    """A destroy killed while it deleted the venv left part of it without its stamp, which the next
+    deploy's preflight refuses; an install killed between its two renames left the old venv aside."""
+    venv = tmp_path / "opt" / "vllm"
+    tree(tmp_path / "opt" / "vllm.trash")  # the first destroy renamed it, then was killed
+    old = tree(tmp_path / "opt" / "vllm.old")
+    (old / ".fimfleet-lock").write_text("0123456789abcdef\n")
+    run_destroy(tmp_path, "systemd", venv)
+    assert sorted(p.name for p in (tmp_path / "opt").iterdir()) == []
+
+
 @pytest.mark.parametrize("kind", ["systemd", "docker"])
 def test_a_directory_fimfleet_did_not_install_is_left_alone(tmp_path, kind):
     """No stamp, or the docker runtime (which installs no venv): runtime.venvPath is not fimfleet's to delete."""
