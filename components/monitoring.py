@@ -37,6 +37,9 @@ HELPER = "/usr/local/lib/fimfleet/monitor-textfile.sh"
 HELPER_ENV = "/etc/fimfleet/monitor-textfile.env"
 HELPER_UNIT = "fimfleet-monitor-textfile"
 PACKAGE_RECORD = "/var/lib/fimfleet/monitoring-{role}-packages"
+"""The packages a role's step installed (files/host/apt-ledger.sh.j2): destroy purges these only."""
+RESTART_STAMP = "/var/lib/fimfleet/monitoring-restart-{service}"
+"""Written before a new /etc/default file goes in, removed once the daemon restarted with it."""
 QUANTILES = (("50", 0.5), ("95", 0.95), ("99", 0.99))
 RULE_GROUPS = ("fimfleet-vllm", "fimfleet-host", "fimfleet-probe", "fimfleet-limits", "fimfleet-alerts")
 VMSTAT_FIELDS = "^(oom_kill|pgpg|pswp|pg.*fault|thp_.*).*"
@@ -293,10 +296,18 @@ def sla_textfile(node: str, report: Mapping) -> str:
         ok=int(report.get("ok") or 0), errors=int(report.get("errors") or 0), timestamp=num(ts))
 
 
-def _defaults(service: str, args: list[str]) -> dict:
-    dest = f"/etc/default/{service}"
-    return {"service": service, "dest": dest, "staged": f"{STAGED_DIR}/default-{service}",
-            "backup": f"{STAGED_DIR}/before-fimfleet-{service}", "args": args}
+ROLE_SERVICES = {"server": ("prometheus", "prometheus-alertmanager"), "exporter": ("prometheus-node-exporter",)}
+"""Every daemon whose /etc/default file a role's step may replace: its destroy gives each one back,
+whether or not the stack still configures it (Alertmanager turned off)."""
+
+
+def _defaults(service: str, args: list[str] = ()) -> dict:
+    """One /etc/default file: fimfleet's (staged), the one from before fimfleet (backup), or a marker
+    that there was none (absent), and a stamp that the daemon still owes a restart for it."""
+    backup = f"{STAGED_DIR}/before-fimfleet-{service}"
+    return {"service": service, "dest": f"/etc/default/{service}", "staged": f"{STAGED_DIR}/default-{service}",
+            "backup": backup, "absent": f"{backup}.absent", "restart": RESTART_STAMP.format(service=service),
+            "args": list(args)}
 
 
 def _packages(role: str, packages: list[str], defaults: list[dict], units: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
@@ -305,6 +316,7 @@ def _packages(role: str, packages: list[str], defaults: list[dict], units: tuple
     files = [{"path": d["staged"], "mode": "0644", "content": templates.render("prometheus/default-args.j2", args=d["args"])}
              for d in defaults]
     return files, {"record": PACKAGE_RECORD.format(role=role), "packages": packages, "defaults": defaults,
+                   "all_defaults": [_defaults(s) for s in ROLE_SERVICES[role]],
                    "units": [d["service"] for d in defaults] + list(units)}
 
 
@@ -324,7 +336,8 @@ def steps(args: MonitoringArgs) -> list[dict]:
               alertmanager_config=f"{args.config_dir}/alertmanager.yml", alertmanager_staged=ALERTMANAGER_STAGED,
               alertmanager_listen=args.alertmanager_listen,
               default_staged=defaults[0]["staged"], config_dir=args.config_dir, rule_groups=len(RULE_GROUPS),
-              port=_split_hostport(args.listen)[1], alertmanager_port=_split_hostport(args.alertmanager_listen)[1], **pkg)
+              port=_split_hostport(args.listen)[1], alertmanager_port=_split_hostport(args.alertmanager_listen)[1],
+              alertmanager_default=_defaults("prometheus-alertmanager"), **pkg)
     return _step("prometheus", "prometheus", "server", files, kw)
 
 
