@@ -22,6 +22,10 @@ from components.nginx_base import LEGACY_FILES, LOCK, STAGED_ROOT, STATE_DIR, Ng
 from components.remote import RemoteStep
 from components.tls import RENEW_BEFORE_DAYS, SelfSignedCertificate
 
+CERTBOT_LEDGER = f"{STATE_DIR}/installed-packages"
+"""certbot when an ingress step installed it (one line, as files/host/packages.sh.j2 records its own)."""
+CERTBOT_USERS = f"{STATE_DIR}/certbot-users"
+"""One file per node on the host with an ACME certificate: the last one's destroy purges certbot."""
 TLS_ROOT = "/etc/fimfleet/tls"
 """Each node's certificate lives in a directory named after it, as its staged files do."""
 RENEW_HINTS = {
@@ -129,7 +133,8 @@ def step_scripts(args: IngressArgs, installs: list[dict], server_name: str = "lo
     kw = dict(main=nginx.main_path, sites=nginx.sites_dir, staged_dir=staged_dir(args.node),
               staged_root=STAGED_ROOT, tls_dir=f"{TLS_ROOT}/{args.node}", tls_root=TLS_ROOT,
               prev_dir=f"{STATE_DIR}/{args.node}-prev", state_dir=STATE_DIR, lock=LOCK, legacy=LEGACY_FILES,
-              files=installs, server_name=server_name,
+              files=installs, server_name=server_name, node=args.node,
+              ledger=CERTBOT_LEDGER, certbot_users=CERTBOT_USERS,
               https_port=i.https_port, acme=i.tls == "acme", acme_email=i.acme_email, domain=i.domain,
               tls_cert=tls_paths(i, args.node)[0], renew_days=RENEW_BEFORE_DAYS, renew_hint=RENEW_HINTS[i.tls])
     if args.fleet:  # the gateway writes its servers file from the rotation's markers before nginx -t

@@ -31,7 +31,8 @@ DROPIN_PATH = "/etc/systemd/system/nginx.service.d/fimfleet-limits.conf"
 """systemd drop-in that sets the nginx unit's LimitNOFILE (see render_dropin)."""
 STAGED_ROOT = "/etc/fimfleet/nginx-staged"
 STATE_DIR = "/var/lib/fimfleet/nginx"
-"""The distribution's nginx.conf (restored by destroy) and each step's previous files."""
+"""The distribution's nginx.conf (restored by destroy), each step's previous files (what nginx last
+accepted), and the ledger of what the ingress steps installed with apt (certbot)."""
 LOCK = f"{STATE_DIR}/lock"
 """Held by every step that changes this host's nginx (its main config, each site, the gateway's
 rotation): one `nginx -t` never sees another step's files half installed."""
@@ -149,7 +150,8 @@ def render(base: NginxBase) -> NginxBaseSteps:
     installs = [{"name": name, "dest": dest, "mode": "0644"} for name, (dest, _) in contents.items()]
     kw = dict(conf=base.conf_dir, main=base.main_path, sites=base.sites_dir, staged_dir=STAGED_DIR, state_dir=STATE_DIR,
               lock=LOCK,
-              prev_dir=f"{STATE_DIR}/{HOST_DIR}-prev", dropin=DROPIN_PATH, files=installs, legacy=LEGACY_FILES)
+              prev_dir=f"{STATE_DIR}/{HOST_DIR}-prev", restart_stamp=f"{STATE_DIR}/{HOST_DIR}-restart-pending",
+              dropin=DROPIN_PATH, files=installs, legacy=LEGACY_FILES)
     check = templates.render("ingress/base-check.sh.j2", **kw)
     return NginxBaseSteps(
         files=[{"path": f"{STAGED_DIR}/{name}", "mode": "0644", "content": content} for name, (_, content) in contents.items()],

@@ -56,7 +56,11 @@ def test_other_certificate_sources_do_not_touch_certbot(source):
         cfg = config.parse(raw, secret | {"tlsCert", "tlsKey"})
     else:
         cfg = cfg_for()
-    assert "certbot" not in "".join(scripts(cfg).values())
+    s = scripts(cfg)
+    assert "certbot" not in s["apply"] + s["check"]
+    # its destroy gives back a certbot that fimfleet installed while the node had ACME (the ledger,
+    # tests/unit/test_ingress_rerun.py), and only once no other node on the host uses it
+    assert f"grep -qx certbot \"$ledger\"" in s["destroy"] and "ledger_purge \"$ledger\"" in s["destroy"]
 
 
 # ------------------------------------------------------------ expiry warning, run
@@ -125,8 +129,10 @@ def test_nginx_unit_gets_the_workers_descriptor_limit():
     dropin.read_string(files[Path(DROPIN_PATH).name])
     assert dropin["Service"]["LimitNOFILE"] == nofile == str(2 * int(connections))
     assert f"fimfleet-limits.conf:{DROPIN_PATH}:0644" in step.apply
-    # a changed limit reloads systemd and restarts nginx; destroy reloads systemd without it
-    assert re.search(r'if ! cmp -s [^;]+; then restart=1; systemctl daemon-reload; fi', step.apply)
+    # a changed limit reloads systemd and restarts nginx, a rerun after a kill too (a stamp made before
+    # the new file is installed, tests/unit/test_ingress_rerun.py); destroy reloads systemd without it
+    assert re.search(r'if ! cmp -s "\$staged/\$\{dropin##\*/\}" "\$dropin"; then : > "\$restart_pending"; fi', step.apply)
+    assert 'if [ -e "$restart_pending" ]; then systemctl daemon-reload; fi' in step.apply
     assert "systemctl daemon-reload" in step.destroy
     # the node's own step never touches the unit or the main config
     node_installs = ingress.render_files(ingress.args_for(cfg_for()), "code.example.com", "C", "K")[1]
