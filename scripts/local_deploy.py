@@ -166,9 +166,11 @@ def stack_config(config_file: Path, state: Path | None, model_dir: str, extra: d
 
 
 def backend_dir() -> Path:
-    """The file backend that ./fimfleet uses (FIMFLEET_BACKEND_URL, else .state)."""
-    url = os.environ.get("FIMFLEET_BACKEND_URL", f"file://{ROOT / '.state'}")
-    return Path(url[len("file://"):])
+    """The file backend that ./fimfleet uses: the one it resolved (~ and a relative path made
+    absolute), else FIMFLEET_BACKEND_URL, else .state."""
+    url = (os.environ.get("FIMFLEET_PULUMI_BACKEND_URL") or os.environ.get("FIMFLEET_BACKEND_URL")
+           or f"file://{ROOT / '.state'}")
+    return Path(os.path.expanduser(url[len("file://"):].split("?", 1)[0])).absolute()
 
 
 def clear_stale_lock(stack: str = "local") -> bool:

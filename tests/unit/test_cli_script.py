@@ -204,3 +204,22 @@ def test_the_script_passes_shellcheck():
     assert shutil.which("shellcheck"), "shellcheck is installed by ./fimfleet bootstrap"
     lint = subprocess.run(["shellcheck", "-S", "warning", str(ROOT / "fimfleet")], capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"FIMFLEET_PULUMI_BACKEND_URL": "file:///srv/state?no_checkpoint=true"}, "/srv/state"),
+    ({"FIMFLEET_BACKEND_URL": "file://~/state"}, "{home}/state"),
+    ({"FIMFLEET_BACKEND_URL": "file://rel/state"}, "{cwd}/rel/state"),
+    ({}, "{root}/.state"),
+])
+def test_the_demo_looks_for_stale_locks_in_the_backend_the_wrapper_uses(env, want, monkeypatch, tmp_path):
+    """./fimfleet resolves ~, a relative path and a query; the demo's stale-lock check read the raw URL."""
+    from scripts import local_deploy
+
+    for k in ("FIMFLEET_PULUMI_BACKEND_URL", "FIMFLEET_BACKEND_URL"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert str(local_deploy.backend_dir()) == want.format(home=tmp_path / "home", cwd=tmp_path, root=ROOT)
