@@ -31,7 +31,7 @@ class Problem:
         fix = self.fix
         if self.secret or _secret(self.key):
             shown = "<secret>"
-            if isinstance(self.value, str) and self.value:  # a fix that quotes the value
+            if isinstance(self.value, str) and len(self.value) >= 4:  # a fix that quotes it (not a word's letters)
                 fix = fix.replace(repr(self.value), "<secret>").replace(self.value, "<secret>")
         else:
             shown = json.dumps(self.value, default=str)
