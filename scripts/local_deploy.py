@@ -166,10 +166,10 @@ def stack_config(config_file: Path, state: Path | None, model_dir: str, extra: d
 
 
 def backend_dir() -> Path:
-    """The file backend that ./fimfleet uses: the one it resolved (~ and a relative path made
-    absolute), else FIMFLEET_BACKEND_URL, else .state."""
-    url = (os.environ.get("FIMFLEET_PULUMI_BACKEND_URL") or os.environ.get("FIMFLEET_BACKEND_URL")
-           or f"file://{ROOT / '.state'}")
+    """The file backend that ./fimfleet uses (FIMFLEET_BACKEND_URL, else .state), resolved as it
+    resolves it: ~ is the home, a relative path the caller's, a query no part of the path. Not
+    FIMFLEET_PULUMI_BACKEND_URL: an outer ./fimfleet set that one, before a test named its own."""
+    url = os.environ.get("FIMFLEET_BACKEND_URL") or f"file://{ROOT / '.state'}"
     return Path(os.path.expanduser(url[len("file://"):].split("?", 1)[0])).absolute()
 
 

@@ -207,7 +207,10 @@ def test_the_script_passes_shellcheck():
 
 
 @pytest.mark.parametrize("env, want", [
-    ({"FIMFLEET_PULUMI_BACKEND_URL": "file:///srv/state?no_checkpoint=true"}, "/srv/state"),
+    ({"FIMFLEET_BACKEND_URL": "file:///srv/state?no_checkpoint=true"}, "/srv/state"),
+    # an outer ./fimfleet's own (./fimfleet test), then a test's own backend: the test's
+    ({"FIMFLEET_PULUMI_BACKEND_URL": "file:///outer/.state", "FIMFLEET_BACKEND_URL": "file:///tmp/e2e/state"},
+     "/tmp/e2e/state"),
     ({"FIMFLEET_BACKEND_URL": "file://~/state"}, "{home}/state"),
     ({"FIMFLEET_BACKEND_URL": "file://rel/state"}, "{cwd}/rel/state"),
     ({}, "{root}/.state"),
