@@ -199,10 +199,8 @@ def test_host_nginx_killed_anywhere_then_rerun_still_restarts_for_a_new_unit_lim
     assert before.run(v1.apply).returncode == 0
     before.calls.unlink()
     before.stage(v2_files)
-    for i in kill_points(v2.apply, 'mkdir -p "$prev"', "# fimfleet host nginx: the installed main config"):
-        host = before.clone(tmp_path / str(i))
-        host.run(v2.apply, kill_after=i)
-        rerun = host.run(v2.apply)
+    for i, host, rerun in killed_and_rerun(before, v2.apply, 'mkdir -p "$prev"',
+                                           "# fimfleet host nginx: the installed main config", tmp_path):
         assert rerun.returncode == 0, (i, rerun.stderr)
         log = host.log()
         reloads = [n for n, c in enumerate(log) if c == "systemctl daemon-reload"]
@@ -258,6 +256,24 @@ def test_host_nginx_destroy_killed_anywhere_then_rerun_gives_the_users_config_ba
 # ------------------------------------------------------------------------ a node's site
 
 
+def killed_and_rerun(before: Host, script: str, first: str, last: str, tmp_path):
+    """(line, host, rerun) for each kill point between `first` and `last`: a copy of `before` whose
+    run of `script` was killed after that line, and the result of running it again."""
+    for i in kill_points(script, first, last):
+        host = before.clone(tmp_path / str(i))
+        host.run(script, kill_after=i)
+        yield i, host, host.run(script)
+
+
+def site_applied(tmp_path, files, step) -> Host:
+    """A host whose nginx accepted the node's site `step`: where a kill sweep starts."""
+    host = Host(tmp_path / "before")
+    host.write("/etc/nginx/nginx.conf", "# main\n")
+    host.stage(files)
+    assert host.run(step["apply"]).returncode == 0
+    return host
+
+
 def test_site_killed_anywhere_then_rerun_keeps_the_site_nginx_accepted(tmp_path):
     """A rejected site (new certificate and key too), killed at any line and rerun: the accepted
     site, its keys and certificate stay, as they were (before: the rerun restored its own half)."""
@@ -265,15 +281,9 @@ def test_site_killed_anywhere_then_rerun_keeps_the_site_nginx_accepted(tmp_path)
     v1_files, v1, v1_installs = node_step(cfg)
     bad_files, bad, _ = node_step(cfg, cert="CERT-2", key="KEY-2", bad=True)
     v3_files, v3, v3_installs = node_step(cfg, cert="CERT-3", key="KEY-3")
-    before = Host(tmp_path / "before")
-    before.write("/etc/nginx/nginx.conf", "# main\n")
-    before.stage(v1_files)
-    assert before.run(v1["apply"]).returncode == 0
+    before = site_applied(tmp_path, v1_files, v1)
     before.stage(bad_files)
-    for i in kill_points(bad["apply"], "install_pairs=(", 'echo "$err" >&2'):
-        host = before.clone(tmp_path / str(i))
-        host.run(bad["apply"], kill_after=i)
-        rerun = host.run(bad["apply"])
+    for i, host, rerun in killed_and_rerun(before, bad["apply"], "install_pairs=(", 'echo "$err" >&2', tmp_path):
         assert rerun.returncode == 1 and "nginx rejected the new config" in rerun.stderr, (i, rerun.stderr)
         assert installed(host, v1_installs) == v1_installs, f"killed after line {i}"
         assert host.path("/etc/nginx/fimfleet.d/node.keys").stat().st_mode & 0o777 == 0o600, i
@@ -291,10 +301,7 @@ def test_site_killed_while_taking_a_good_config_in_then_rerun_rolls_later_failur
     v1_files, v1, _ = node_step(cfg)
     v2_files, v2, v2_installs = node_step(cfg, cert="CERT-2", key="KEY-2")
     bad_files, bad, _ = node_step(cfg, cert="CERT-3", key="KEY-3", bad=True)
-    before = Host(tmp_path / "before")
-    before.write("/etc/nginx/nginx.conf", "# main\n")
-    before.stage(v1_files)
-    assert before.run(v1["apply"]).returncode == 0
+    before = site_applied(tmp_path, v1_files, v1)
     before.stage(v2_files)
     for i in kill_points(v2["apply"], "install_pairs=(", "# What the single-node layout left beside"):
         host = before.clone(tmp_path / str(i))
@@ -316,10 +323,7 @@ def test_site_killed_anywhere_then_rerun_keeps_the_old_layouts_site_until_one_is
     for name, text in LEGACY.items():
         before.write(f"/etc/nginx/fimfleet.d/legacy-{name}", text, 0o600)
     before.stage(bad_files)
-    for i in kill_points(bad["apply"], "install_pairs=(", 'echo "$err" >&2'):
-        host = before.clone(tmp_path / str(i))
-        host.run(bad["apply"], kill_after=i)
-        rerun = host.run(bad["apply"])
+    for i, host, rerun in killed_and_rerun(before, bad["apply"], "install_pairs=(", 'echo "$err" >&2', tmp_path):
         assert rerun.returncode == 1, (i, rerun.stderr)
         for name, text in LEGACY.items():
             assert host.read(f"/etc/nginx/fimfleet.d/legacy-{name}") == text, f"killed after line {i}: {name}"
@@ -338,10 +342,7 @@ def test_a_rejected_site_leaves_its_secrets_root_only(tmp_path):
     bad_files, bad, _ = node_step(cfg, key="TLS-KEY-2", bad=True)
     assert {f["path"].rsplit("/", 1)[-1]: f["mode"] for f in bad_files if "TLS-KEY" in f["content"]
             or API_KEY in f["content"]} == {"node.keys": "0600", "server.key": "0600"}
-    host = Host(tmp_path)
-    host.write("/etc/nginx/nginx.conf", "# main\n")
-    host.stage(v1_files)
-    assert host.run(v1["apply"]).returncode == 0
+    host = site_applied(tmp_path, v1_files, v1)
     host.stage(bad_files)
     assert host.run(bad["apply"]).returncode == 1
     secrets = [p for p in host.root.rglob("*") if p.is_file() and re.search(f"TLS-KEY|{API_KEY}", p.read_text())]
@@ -360,10 +361,7 @@ def test_certbot_fimfleet_installed_leaves_with_destroy_even_after_a_killed_appl
     before = Host(tmp_path / "before")
     before.write("/etc/nginx/nginx.conf", "# main\n")
     before.stage(files)
-    for i in kill_points(step["apply"], 'mkdir -p "$prev"', "certbot certonly"):
-        host = before.clone(tmp_path / str(i))
-        host.run(step["apply"], kill_after=i)
-        rerun = host.run(step["apply"])
+    for i, host, rerun in killed_and_rerun(before, step["apply"], 'mkdir -p "$prev"', "certbot certonly", tmp_path):
         assert rerun.returncode == 0, (i, rerun.stderr)
         assert host.dpkg.read_text().split() == ["certbot"], i
         assert host.read(ingress.CERTBOT_LEDGER) == "certbot\n", i
