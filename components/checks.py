@@ -226,8 +226,8 @@ def check_runtime(runtime, tier, problems, secrets):
 
 def check_ingress(ingress, secrets, problems):
     cidrs = list(ingress.metrics_allow_cidrs or ())
-    for at, msg in grammar.cidr_set(cidrs, "/metrics"):
-        problems.append(Problem(f"ingress.metricsAllowCidrs{at}", cidrs[int(at[1:-1])] if at else cidrs, msg))
+    for at, value, msg in grammar.cidr_set(cidrs, "/metrics"):
+        problems.append(Problem(f"ingress.metricsAllowCidrs{at}", value, msg))
     _grammar(problems, "ingress.domain", ingress.domain, grammar.hostname)
     if isinstance(ingress.domain, str) and grammar.hostname(ingress.domain) is None and \
             (ingress.domain != ingress.domain.lower() or ingress.domain.endswith(".")):

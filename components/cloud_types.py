@@ -191,8 +191,8 @@ def check(host, raw_host: dict, tier, ingress, secrets) -> tuple:
     if not cidrs:
         problems.append(Problem("host.adminCidrs", [], "list the networks allowed to SSH in (fimfleet itself connects from "
                                 "them): pulumi config set --path 'fimfleet:host.adminCidrs[0]' 198.51.100.7/32"))
-    for at, msg in grammar.cidr_set(cidrs, "SSH"):
-        problems.append(Problem(f"host.adminCidrs{at}", cidrs[int(at[1:-1])] if at else cidrs, msg))
+    for at, value, msg in grammar.cidr_set(cidrs, "SSH"):
+        problems.append(Problem(f"host.adminCidrs{at}", value, msg))
     if host.dns_zone:
         domain = (ingress.domain or "").rstrip(".").lower()
         zone = str(host.dns_zone).rstrip(".").lower()

@@ -134,22 +134,22 @@ def world_open(networks) -> list[str]:
             if any(n.prefixlen == 0 or (n.version == 6 and V6_GLOBAL.subnet_of(n)) for n in ipaddress.collapse_addresses(group))]
 
 
-def cidr_set(values, opens: str) -> list[tuple[str, str]]:
-    """(index suffix, problem) for a list of networks taken as one set: each one's own grammar,
-    a repeat of an earlier one (however spelt: EC2 refuses a rule that names it twice), and the
-    whole internet covered together (index ""). `opens`: what they let in, for the message."""
+def cidr_set(values, opens: str) -> list[tuple[str, object, str]]:
+    """(key suffix, value, problem) for a list of networks taken as one set: each one's own grammar
+    ("[i]", the item), a repeat of an earlier one (however spelt: EC2 refuses a rule that names it
+    twice), and the whole internet covered together ("", the list). `opens`: what they let in."""
     out, seen = [], {}
     for i, v in enumerate(values):
         if msg := cidr(v, opens):
-            out.append((f"[{i}]", msg))
+            out.append((f"[{i}]", v, msg))
             continue
         net = ipaddress.ip_network(v)
         if net in seen:
-            out.append((f"[{i}]", f"repeats [{seen[net]}] ({net}); list each network once"))
+            out.append((f"[{i}]", v, f"repeats [{seen[net]}] ({net}); list each network once"))
         seen.setdefault(net, i)
     if world := world_open(list(seen)):
-        out.append(("", f"together these cover {' and '.join(world)}, the whole internet, which opens {opens} to "
-                        "anyone; list only your own networks (e.g. 198.51.100.7/32)"))
+        out.append(("", values, f"together these cover {' and '.join(world)}, the whole internet, which opens {opens} "
+                                "to anyone; list only your own networks (e.g. 198.51.100.7/32)"))
     return out
 
 
