@@ -114,13 +114,14 @@ class RemoteStepProvider(ResourceProvider):
         t = _target(props)
         with shared_session(t) as client:
             if script_key == "apply":
-                pending = [{"path": _marker(id_), "mode": "0644", "content": PENDING}] if update else []
-                if props.get("files") or props.get("uploads"):
-                    put_files(client, pending + list(props.get("files") or ()))
-                    pending = []
+                # with an upload, the marker goes first in it; without one, first in the script
+                uploads = bool(props.get("files") or props.get("uploads"))
+                if uploads:
+                    marker = [{"path": _marker(id_), "mode": "0644", "content": PENDING}] if update else []
+                    put_files(client, marker + list(props.get("files") or ()))
                 for up in props.get("uploads") or ():
                     put_dir(client, up["local"], up["remote"])
-                script = _then_mark(script, id_, _digest(props), pending=bool(pending))
+                script = _then_mark(script, id_, _digest(props), pending=update and not uploads)
             code, out, err = (run(client, script, timeout_s=float(props.get("timeoutS", 1800)), env=props.get("env"),
                                   label=label) if script else (0, "", ""))
             if code == 0 and script_key == "destroy":
