@@ -173,10 +173,10 @@ def test_helper_units_pass_systemd_analyze(tmp_path):
 def test_default_files_are_staged_before_apt_runs():
     """postinst starts the daemon at once: its ARGS must be in place before `apt-get install`."""
     apply = m.steps(make_args())[0]["apply"]
-    assert apply.index("install -m 0644 /etc/fimfleet/monitoring/default-prometheus /etc/default/prometheus") \
-        < apply.index('apt-get "${apt_opts[@]}" install')
+    installs = apply.index('\nledger_install "$record"')  # the call; apt-ledger.sh.j2 defines it above
+    assert apply.index("install -m 0644 /etc/fimfleet/monitoring/default-prometheus /etc/default/prometheus") < installs
     assert "--force-confold" in apply
-    assert apply.index("apt-get") < apply.index("promtool check config") < apply.index("reload_or_start prometheus")
+    assert installs < apply.index("promtool check config") < apply.index("reload_or_start prometheus")
 
 
 def test_the_webhook_url_is_readable_by_root_and_alertmanager_only():

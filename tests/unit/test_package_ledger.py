@@ -350,6 +350,31 @@ def test_a_destroy_killed_at_any_line_finishes_on_its_rerun(tmp_path):
         assert not [p for p in h.path("/var/lib/fimfleet").iterdir() if p.name.startswith("monitoring-")], line
 
 
+HOST_PKGS = ("nginx", "jq", "openssl")
+
+
+@pytest.mark.parametrize("then", ["rerun", "destroy"])
+def test_the_hosts_packages_killed_at_any_line_or_inside_dpkg_are_fimfleets_and_destroy_purges_them(tmp_path, then):
+    """The host's install appended to its record only after `apt-get install` returned: a run killed
+    in between left packages that no destroy purged, and a kill inside dpkg failed every later
+    apt-get. The user's openssl stays either way."""
+    apply = templates.render("host/packages.sh.j2", packages=list(HOST_PKGS))
+    base = Host(tmp_path / "base")
+    base.has("openssl")
+    cases = [{"kill_after": line} for line in kill_points(apply, start="ledger_install() {")] + [{"FAKE_KILL_IN_DPKG": "1"}]
+    assert len(cases) > 8
+    for n, case in enumerate(cases):
+        h = base.clone(tmp_path / str(n))
+        r = h.run(apply, **case)
+        assert r.returncode in (0, -9, 137), (case, r.stderr)
+        if then == "rerun":
+            h.ok(apply)
+            assert [h.status(p) for p in HOST_PKGS] == ["install ok installed"] * 3, case
+        h.ok(host_destroy())
+        assert [h.status(p) for p in HOST_PKGS] == [None, None, "install ok installed"], case
+        assert not list(h.path("/var/lib/fimfleet").glob("installed-packages*")), case
+
+
 def restarted_after_its_last_change(calls: list[str], service: str) -> bool:
     """The daemon's last restart came after its /etc/default file last changed."""
     changed = max(i for i, c in enumerate(calls) if c.startswith("install ") and c.endswith(f"/etc/default/{service}"))
