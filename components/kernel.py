@@ -19,6 +19,9 @@ LIMITS_PATH = "/etc/security/limits.d/90-fimfleet.conf"
 UNIT_PATH = "/etc/systemd/system/fimfleet-tuning.service"
 APPLY_SCRIPT = "/usr/local/lib/fimfleet/kernel-tuning.sh"
 MODULES_PATH = "/etc/modules-load.d/fimfleet.conf"
+STAGED_DIR = "/var/lib/fimfleet/kernel/staged"
+"""Where the step uploads its files: the apply installs them only once the host passed its checks,
+so a first apply refused there (a sysctl this kernel lacks) leaves nothing for the next boot."""
 THP = "/sys/kernel/mm/transparent_hugepage"
 
 
@@ -83,7 +86,10 @@ MODULES = ("tcp_bbr",)
 
 @dataclass(frozen=True)
 class RenderedKernel:
+    installed: list[dict]
+    """The files as the apply installs them: {path, mode, content}."""
     files: list[dict]
+    """What the step uploads: each of `installed`, staged under STAGED_DIR."""
     apply: str
     check: str
     destroy: str
@@ -93,9 +99,9 @@ class RenderedKernel:
 def render(args: KernelArgs) -> RenderedKernel:
     sysctl, sysfs, debugfs = tuned_sysctl(args), tuned_sysfs(), tuned_debugfs()
     paths = dict(sysctl_path=SYSCTL_PATH, limits_path=LIMITS_PATH, unit_path=UNIT_PATH,
-                 apply_script=APPLY_SCRIPT, modules_path=MODULES_PATH)
+                 apply_script=APPLY_SCRIPT, modules_path=MODULES_PATH, staged_dir=STAGED_DIR)
     verify = templates.render("kernel/verify.sh.j2", sysctl=sysctl, sysfs=sysfs, limits=LIMITS, **paths)
-    files = [
+    installed = [
         {"path": SYSCTL_PATH, "mode": "0644", "content": templates.render("kernel/sysctl.conf.j2", sysctl=sysctl)},
         {"path": LIMITS_PATH, "mode": "0644", "content": templates.render("kernel/limits.conf.j2", limits=LIMITS)},
         {"path": UNIT_PATH, "mode": "0644", "content": templates.render("kernel/tuning.service.j2", **paths)},
@@ -103,10 +109,15 @@ def render(args: KernelArgs) -> RenderedKernel:
          "content": templates.render("kernel/tuning-apply.sh.j2", sysfs=sysfs, debugfs=debugfs)},
         {"path": MODULES_PATH, "mode": "0644", "content": "".join(m + "\n" for m in MODULES)},
     ]
+    installs = [{"name": f"{i}-{f['path'].rsplit('/', 1)[-1]}", "dest": f["path"], "mode": f["mode"]}
+                for i, f in enumerate(installed)]
+    files = [{"path": f"{STAGED_DIR}/{i['name']}", "mode": "0600", "content": f["content"]}
+             for i, f in zip(installs, installed)]
     return RenderedKernel(
+        installed=installed,
         files=files,
         apply=templates.render("kernel/apply.sh.j2", sysctl=sysctl, sysfs={**sysfs, **debugfs}, modules=MODULES,
-                               verify=verify, **paths),
+                               verify=verify, installs=installs, **paths),
         check=verify,
         destroy=templates.render("kernel/destroy.sh.j2", **paths),
         sysctl=sysctl,

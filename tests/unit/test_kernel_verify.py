@@ -119,3 +119,35 @@ def test_defaults_are_recorded_per_name_once_so_a_key_added_later_is_restored_to
     assert later == first + "net.core.somaxconn = 4096\n"
     assert apply(["vm.swappiness", "net.core.somaxconn"], {"vm.swappiness": "10", "net.core.somaxconn": "1"}) == later
     assert not (tmp_path / "defaults.tmp").exists()
+
+
+def test_a_first_apply_the_host_refuses_leaves_nothing_for_the_next_boot(tmp_path):
+    """The step's files were uploaded in place before the apply's checks ran: a sysctl this kernel
+    lacks failed the step, which is then not in the state, and its sysctl.d, limits.d and
+    modules-load.d files applied at the next boot, with no destroy to remove them. They are staged
+    now, and installed only after the checks; destroy removes the staged copies too."""
+    r = kernel.render(kernel.KernelArgs(sysctl_overrides={"no.such.key": "1"}))
+    root = tmp_path / "root"
+
+    def moved(text: str) -> str:  # every path the step writes, under tmp (/proc/sys stays this machine's, read only)
+        return re.sub(r"(?<![\w.-])/(etc|var|usr)/", lambda m: f"{root}/{m.group(1)}/", text)
+
+    for f in r.files:  # what RemoteStep uploads before the apply
+        path = Path(moved(f["path"]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f["content"])
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for tool in ("sysctl", "modprobe", "systemctl"):
+        (bin_ / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {tmp_path}/calls\n")
+        (bin_ / tool).chmod(0o755)
+    env = {"PATH": f"{bin_}:/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", moved(r.apply)], capture_output=True, text=True, env=env,
+                          timeout=30)
+    assert proc.returncode == 1 and "sysctl no.such.key does not exist on this kernel" in proc.stderr, proc.stderr
+    assert not [f["path"] for f in r.installed if Path(moved(f["path"])).exists()]
+    assert not (tmp_path / "calls").exists()  # nothing loaded, set or enabled either
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", moved(r.destroy)], capture_output=True, text=True, env=env,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert not Path(moved(kernel.STAGED_DIR)).exists()

@@ -49,7 +49,7 @@ def units(cfg, node="node"):
     m = {f["path"].rsplit("/", 1)[-1]: f["content"] for f in monitor.render_files(monitor.args_for(cfg, node), r.unit, "k" * 32, "CA")}
     engine_unit = r.unit_file.replace("[Install]", r.cgroup_dropin.split("[Service]", 1)[1].strip() + "\n\n[Install]")
     yield r.unit, engine_unit
-    yield "fimfleet-tuning.service", next(f["content"] for f in kr.files if f["path"] == kernel.UNIT_PATH)
+    yield "fimfleet-tuning.service", next(f["content"] for f in kr.installed if f["path"] == kernel.UNIT_PATH)
     for name in (monitor.names(node)["service"], monitor.names(node)["timer"]):
         yield name, m[name]
 
@@ -79,7 +79,7 @@ def scripts(cfg):
     yield "kernel-apply", kr.apply
     yield "kernel-check", kr.check
     yield "kernel-destroy", kr.destroy
-    yield "kernel-tuning", next(f["content"] for f in kr.files if f["path"] == kernel.APPLY_SCRIPT)
+    yield "kernel-tuning", next(f["content"] for f in kr.installed if f["path"] == kernel.APPLY_SCRIPT)
     yield "preflight", host.preflight_script(cfg)
     from components import templates
 
@@ -133,7 +133,7 @@ def test_shellcheck_catches_a_bad_script(tmp_path):
 
 def test_sysctl_file_uses_only_known_keys():
     cfg = cfg_for()
-    content = next(f["content"] for f in kernel.render(kernel.args_for(cfg)).files if f["path"] == kernel.SYSCTL_PATH)
+    content = next(f["content"] for f in kernel.render(kernel.args_for(cfg)).installed if f["path"] == kernel.SYSCTL_PATH)
     keys = [l.split("=", 1)[0].strip() for l in content.splitlines() if l and not l.startswith("#")]
     assert keys and set(keys) <= KNOWN_SYSCTLS, set(keys) - KNOWN_SYSCTLS
     # The scheduler knob moved to debugfs in Linux 5.13: it must not be written as a sysctl.
@@ -143,7 +143,7 @@ def test_sysctl_file_uses_only_known_keys():
 def test_sysctl_override_reaches_the_file_and_the_verify_script():
     cfg = cfg_for(kernel={"sysctl": {"vm.swappiness": "7"}})
     r = kernel.render(kernel.args_for(cfg))
-    assert "vm.swappiness = 7" in next(f["content"] for f in r.files if f["path"] == kernel.SYSCTL_PATH)
+    assert "vm.swappiness = 7" in next(f["content"] for f in r.installed if f["path"] == kernel.SYSCTL_PATH)
     assert "want_sysctl vm.swappiness 7\n" in r.check
 
 

@@ -55,7 +55,7 @@ def _steps_with_unit_files() -> dict[str, tuple[list[dict], str]]:
     cfg = config.parse(*raw_config("cpu-epyc-prod"))
     kr = kernel.render(kernel.args_for(cfg))
     margs = monitor.args_for(cfg, "node")
-    steps = {"kernel": (kr.files, kr.apply),
+    steps = {"kernel": (kr.installed, kr.apply),
              "monitor": (monitor.render_files(margs, "vllm-node.service", "k" * 32, "CA"),
                          monitor.scripts(margs, "vllm-node.service")["apply"])}
     for s in monitoring.steps(make_args()) + monitoring.exporter_steps(monitoring.ExporterArgs("a", monitors=(("a", "vllm-a.service"),))):
