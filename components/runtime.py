@@ -176,15 +176,21 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
                                   files=unit_paths(node), **kw),
         "check": templates.render("runtime/check.sh.j2", **kw),
         "kv_capacity": templates.render("runtime/kv-capacity.sh.j2", port=cfg.engine.port),
-        "destroy": templates.render("runtime/destroy.sh.j2", **kw),
+        # Each step's destroy removes what that step made: a first engine start that fails is
+        # not in the state, and destroy still removes the unit, the model and the venv or image.
+        "unit": templates.render("runtime/unit.sh.j2", **kw),
+        "unit_destroy": templates.render("runtime/unit-destroy.sh.j2", **kw),
+        "model_destroy": templates.render("runtime/model-destroy.sh.j2", **kw),
     }
     if cfg.runtime.kind == "systemd":
         out["bandwidth"] = templates.render("runtime/bandwidth.sh.j2", venv=cfg.runtime.venv_path, script=BANDWIDTH_SCRIPT)
         out["install"] = templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
                                           wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw)
+        out["install_destroy"] = templates.render("runtime/venv-destroy.sh.j2", **kw)
     else:
         out["install"] = templates.render("runtime/pull-image.sh.j2", image=image_ref(cfg), images=kw["images"],
                                           docker_config=DOCKER_CONFIG, login=bool(registry_login(cfg)))
+        out["install_destroy"] = templates.render("runtime/image-destroy.sh.j2", **kw)
     return out
 
 
@@ -209,7 +215,7 @@ class RuntimeArgs:
     model_upload: dict | None = None
     """A local model: {local, remote, digest} for the model step's upload."""
     secret_env: bool = False
-    """The env file holds a secret (HF_TOKEN): the service step's files are stored as a secret."""
+    """The env file holds a secret (HF_TOKEN): the unit step's files are stored as a secret."""
 
 
 def args_for(cfg: StackConfig, node: str) -> RuntimeArgs:
@@ -261,16 +267,16 @@ class VllmRuntime(pulumi.ComponentResource):
             install = RemoteStep(
                 f"{name}-install", label="vLLM virtualenv", connection=connection,
                 files=[{"path": REMOTE_LOCK, "mode": "0644", "content": LOCK_FILE.read_text()}],
-                apply=sh["install"], timeout_s=3600, opts=child)
+                apply=sh["install"], destroy=sh["install_destroy"], timeout_s=3600, opts=child)
         else:
             install = RemoteStep(f"{name}-image", label="vLLM image", connection=connection,
                                  files=pulumi.Output.secret(list(args.image_files)) if args.image_files else None,
-                                 apply=sh["install"], triggers=[args.image],
+                                 apply=sh["install"], destroy=sh["install_destroy"], triggers=[args.image],
                                  timeout_s=3600, opts=child)
 
         uploads = [args.model_upload] if args.model_upload else None
         model = RemoteStep(f"{name}-model", label="model", connection=connection, uploads=uploads,
-                           apply=sh["model"], timeout_s=3600,
+                           apply=sh["model"], destroy=sh["model_destroy"], timeout_s=3600,
                            opts=pulumi.ResourceOptions(parent=self, depends_on=[install]))
         # Measured once per host (a new identity measures again), before the engine holds the memory.
         self.bandwidth_bytes_per_s: pulumi.Output = pulumi.Output.from_input(None)
@@ -290,11 +296,16 @@ class VllmRuntime(pulumi.ComponentResource):
         self.before_start = before_start
         files = pulumi.Output.secret(list(args.service_files)) if args.secret_env else args.service_files
         self.digest = digest_of(args)
-        self.service = RemoteStep(
-            f"{name}-service", label="vLLM service", connection=connection, files=files,
-            apply=sh["start"], check=sh["check"], destroy=sh["destroy"],
-            triggers=[self.digest], timeout_s=args.start_timeout_s + 120,
+        # The unit's files are a step of their own, in the state before the first start is tried:
+        # its destroy stops and removes the engine even when that start failed (and was not recorded).
+        unit = RemoteStep(
+            f"{name}-unit", label="vLLM unit", connection=connection, files=files,
+            apply=sh["unit"], destroy=sh["unit_destroy"],
             opts=pulumi.ResourceOptions(parent=self, depends_on=before_start))
+        self.service = RemoteStep(
+            f"{name}-service", label="vLLM service", connection=connection,
+            apply=sh["start"], check=sh["check"], triggers=[self.digest], timeout_s=args.start_timeout_s + 120,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[unit]))
         # What vLLM allocated, read again after every (re)start, for the outputs beside the sizing model's plan.
         kv = RemoteStep(f"{name}-kv-capacity", label="KV cache capacity", connection=connection,
                         apply=sh["kv_capacity"], triggers=[self.digest], timeout_s=60,

@@ -60,11 +60,9 @@ def _steps(cfg: config.StackConfig, node: str = NODE) -> dict:
 
 
 def snapshot_key(base: dict, steps: dict) -> str:
-    """The booted snapshot it grows from, and everything that reaches the engine. The docker
-    runtime's unit names its image by digest, so how the pull reports progress does not count."""
-    scripts = steps["scripts"] if steps["kind"] == "systemd" else {k: v for k, v in steps["scripts"].items()
-                                                                   if k != "install"}
-    return templates.digest(base["dir"], base.get("created_at"), steps["packages"], scripts,
+    """The booted snapshot it grows from, and everything that reaches the engine or its host's
+    records (the docker runtime's pull step decides which images destroy removes)."""
+    return templates.digest(base["dir"], base.get("created_at"), steps["packages"], steps["scripts"],
                             steps["files"], steps["lock"], steps["remote_model"], upload.dir_digest(steps["model"]))
 
 

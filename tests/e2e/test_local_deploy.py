@@ -121,7 +121,8 @@ def test_01c_a_stack_deployed_before_hostbase_upgrades_with_no_replacement(node)
     """Issue 11 item 7: the host's resources moved under HostBase and the node's component was
     renamed; their aliases (and the engine's inheritance of them to the children) keep every
     resource, so the preview replaces and deletes nothing, and creates only HostBase and its
-    nginx step (the main config, which the node's ingress step held before)."""
+    nginx step (the main config, which the node's ingress step held before), and the runtime's
+    unit step (the engine's unit files, which its service step held before)."""
     assert node.old_program, f"this clone lacks {UPGRADE_FROM}: fetch the history (git fetch --unshallow)"
     preview = node.upgrade_preview
     assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
@@ -129,7 +130,8 @@ def test_01c_a_stack_deployed_before_hostbase_upgrades_with_no_replacement(node)
     changed = [(st["op"], st["urn"].rsplit("::", 2)[-2].rsplit("$", 1)[-1], st["urn"].rsplit("::", 1)[-1])
                for st in steps if st["op"] not in ("same", "update")]
     assert sorted(changed) == [("create", "fimfleet:host:HostBase", "node"),
-                               ("create", "pulumi-python:dynamic:Resource", "node-nginx")], changed
+                               ("create", "pulumi-python:dynamic:Resource", "node-nginx"),
+                               ("create", "pulumi-python:dynamic:Resource", "node-runtime-unit")], changed
     assert node.upgrade_up.returncode == 0, shown(node.upgrade_up)
 
     def custom(export: str) -> dict:
@@ -140,6 +142,7 @@ def test_01c_a_stack_deployed_before_hostbase_upgrades_with_no_replacement(node)
     after = ld.fimfleet_pulumi("stack", "export", "-s", "local")
     kept = custom(after)
     assert kept.pop("node-nginx")[0] == "pulumi-python:dynamic:Resource"
+    assert kept.pop("node-runtime-unit")[0] == "pulumi-python:dynamic:Resource"
     assert kept == custom(node.state_before_upgrade)
     urns = [r["urn"] for r in json.loads(after)["deployment"]["resources"]]
     assert not [u for u in urns if "InferenceNode" in u], urns

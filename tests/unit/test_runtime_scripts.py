@@ -1,5 +1,5 @@
-"""The runtime's destroy and image-pull scripts (files/runtime/), rendered and run by bash with every
-path in a temp dir and systemctl, docker and userdel as no-op stand-ins: what they delete."""
+"""The runtime's destroy, install and image-pull scripts (files/runtime/), rendered and run by bash with
+every path in a temp dir and systemctl, docker and userdel as no-op stand-ins: what they delete."""
 
 from __future__ import annotations
 
@@ -12,20 +12,35 @@ import pytest
 from components import templates
 
 
-def run_destroy(tmp: Path, kind: str, venv: Path) -> None:
+def stubs(tmp: Path, tools: dict[str, str]) -> dict:
     fake = tmp / "bin"
-    fake.mkdir()
-    for tool in ("systemctl", "docker", "userdel"):
-        (fake / tool).write_text("#!/bin/sh\nexit 0\n")
+    fake.mkdir(exist_ok=True)
+    for tool, body in tools.items():
+        (fake / tool).write_text(f"#!/bin/bash\n{body}\n")
         (fake / tool).chmod(0o755)
+    return {"PATH": f"{fake}:/usr/bin:/bin"}
+
+
+def bash(body: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([shutil.which("bash"), "-s"], input="set -euo pipefail\n" + body, capture_output=True,
+                          text=True, env=env, timeout=60)
+
+
+def destroy_parts(kind: str) -> list[str]:
+    """The runtime's destroys in the order Pulumi runs them: the unit's, the model's, the install's."""
+    return ["unit-destroy", "model-destroy", "venv-destroy" if kind == "systemd" else "image-destroy"]
+
+
+def run_destroy(tmp: Path, kind: str, venv: Path) -> None:
+    env = stubs(tmp, {"systemctl": "exit 0", "docker": "exit 0", "userdel": "exit 0"})
     kw = {k: str(tmp / k) for k in ("state_dir", "cache_dir", "home", "images", "health", "docker_config", "env_file",
                                     "stamp")}
-    body = templates.render("runtime/destroy.sh.j2", unit="vllm-node.service", venv=str(venv), user="fimfleet-test",
-                            kind=kind, container="vllm-node", **kw)
-    body = body.replace("/etc/systemd/system/", f"{tmp}/units/")  # the unit's own files, here
-    proc = subprocess.run([shutil.which("bash"), "-s"], input="set -euo pipefail\n" + body, capture_output=True, text=True,
-                          env={"PATH": f"{fake}:/usr/bin:/bin"}, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    for part in destroy_parts(kind):
+        body = templates.render(f"runtime/{part}.sh.j2", unit="vllm-node.service", venv=str(venv), user="fimfleet-test",
+                                kind=kind, container="vllm-node", **kw)
+        body = body.replace("/etc/systemd/system/", f"{tmp}/units/")  # the unit's own files, here
+        proc = bash(body, env)
+        assert proc.returncode == 0, (part, proc.stderr)
 
 
 def tree(root: Path) -> Path:
@@ -69,17 +84,66 @@ def test_a_directory_fimfleet_did_not_install_is_left_alone(tmp_path, kind):
 def test_a_registry_login_the_stack_no_longer_sets_is_removed_by_the_next_pull_step(tmp_path, login):
     """The login file is uploaded by the image step only while runtime.registryUser is set; without
     it, the old file (a registry password) stayed on the host until destroy."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    for tool in ("systemctl", "docker"):  # the image is there already: no pull
-        (fake / tool).write_text("#!/bin/sh\n[ \"$2\" = inspect ] && [ \"$3\" = -f ] && echo sha256:abc\nexit 0\n")
-        (fake / tool).chmod(0o755)
+    env = stubs(tmp_path, {t: '[ "$2" = inspect ] && [ "$3" = -f ] && echo sha256:abc\nexit 0'  # the image is there already
+                           for t in ("systemctl", "docker")})
     conf = tmp_path / "docker"
     conf.mkdir()
     (conf / "config.json").write_text('{"auths": {}}')
     body = templates.render("runtime/pull-image.sh.j2", image="r.example.com/vllm@sha256:" + "a" * 64,
                             images=str(tmp_path / "images"), docker_config=str(conf), login=login)
-    proc = subprocess.run([shutil.which("bash"), "-s"], input="set -euo pipefail\n" + body, capture_output=True,
-                          text=True, env={"PATH": f"{fake}:/usr/bin:/bin"}, timeout=60)
+    proc = bash(body, env)
     assert proc.returncode == 0, proc.stderr
     assert (conf / "config.json").exists() is login
+
+
+IMAGE = "r.example.com/vllm@sha256:" + "a" * 64
+# a docker whose store holds $FAKE_STORE's lines; `pull` adds one, then (FAKE_PULL_DIES) kills the script
+DOCKER = r"""
+case "$1 $2" in
+  "image inspect") img=${!#}; grep -qxF -- "$img" "$FAKE_STORE" 2>/dev/null || exit 1; [ "$3" = -f ] && echo sha256:abc; exit 0 ;;
+  "pull "*) echo "$2" >> "$FAKE_STORE"; [ -z "${FAKE_PULL_DIES:-}" ] || { kill -9 "$PPID"; exit 137; } ;;
+  "image rm") grep -vxF -- "$3" "$FAKE_STORE" > "$FAKE_STORE.new" || true; mv "$FAKE_STORE.new" "$FAKE_STORE" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_destroy_removes_the_images_the_step_pulled_and_leaves_the_one_the_host_had(tmp_path, before):
+    """An image already in dockerd's store was listed as pulled, and destroy removed the host's own
+    image; a pull killed after it finished left it unlisted, and destroy kept it."""
+    store = tmp_path / "store"
+    store.write_text(f"{IMAGE}\n" if before else "")
+    env = {**stubs(tmp_path, {"systemctl": "exit 0", "docker": DOCKER}), "FAKE_STORE": str(store)}
+    images = tmp_path / "images"
+    body = templates.render("runtime/pull-image.sh.j2", image=IMAGE, images=str(images),
+                            docker_config=str(tmp_path / "docker"), login=False)
+    if not before:
+        assert bash(body, {**env, "FAKE_PULL_DIES": "1"}).returncode in (-9, 137)
+    proc = bash(body, env)
+    assert proc.returncode == 0, proc.stderr
+    assert store.read_text().splitlines() == [IMAGE]
+    destroy = templates.render("runtime/image-destroy.sh.j2", images=str(images), docker_config=str(tmp_path / "docker"))
+    assert bash(destroy, env).returncode == 0
+    assert store.read_text().splitlines() == ([IMAGE] if before else [])
+    assert not images.exists()
+
+
+def test_an_install_killed_between_its_two_renames_finishes_the_swap_on_its_rerun(tmp_path):
+    """The old venv was aside as .old and the new, whole and stamped, still .new: the rerun found
+    no venv and installed it all again (minutes of pip)."""
+    lock = tmp_path / "vllm.lock"
+    lock.write_text("vllm==0.0.1\n")
+    want = subprocess.run(["sha256sum", str(lock)], capture_output=True, text=True).stdout[:16]
+    opt = tmp_path / "opt"
+    old, new = tree(opt / "vllm.old"), tree(opt / "vllm.new")
+    (old / ".fimfleet-lock").write_text("0123456789abcdef\n")
+    (new / ".fimfleet-lock").write_text(want + "\n")
+    env = stubs(tmp_path, {"python3": "echo reinstalled >&2; exit 3", "useradd": "exit 0", "id": "exit 0"})
+    body = templates.render("runtime/install-venv.sh.j2", venv=str(opt / "vllm"), lock_path=str(lock), user="u",
+                            state_dir=str(tmp_path / "s"), wheelhouse_url="", index_url="")
+    proc = bash(body, env)
+    assert proc.returncode == 0, proc.stderr
+    assert '"installed": false' in proc.stdout
+    assert sorted(p.name for p in opt.iterdir()) == ["vllm"]
+    assert (opt / "vllm" / ".fimfleet-lock").read_text().strip() == want

@@ -4,6 +4,7 @@ import pulumi
 import pytest
 
 from components import config
+from components import runtime as runtime_mod
 from components.fleet import Fleet, args_for
 from tests.helpers import API_KEY, raw_config
 
@@ -83,7 +84,8 @@ def test_dependency_order(recorder):
         assert "node-host-preflight" in deps("node-kernel")
         assert {"node-host-packages", "node-kernel-apply"} <= deps("node-runtime")
         assert "node-runtime-install" in deps("node-runtime-model")
-        assert "node-runtime-model" in deps("node-runtime-service")
+        assert "node-runtime-model" in deps("node-runtime-unit")
+        assert "node-runtime-unit" in deps("node-runtime-service")
         assert "node-host-packages" in deps("node-nginx")
         assert "node-nginx" in deps("node-ingress")
         assert {"node-ingress-nginx", "node-runtime-service"} <= deps("node-monitor")
@@ -215,7 +217,7 @@ def test_changed_value_changes_only_its_resources():
         "node-monitor-timer", "node-monitoring-exporter", "node-monitoring-prometheus"]
     assert _changed(base, _inputs_for(monitoring={"retention": "30d"})) == ["node-monitoring-prometheus"]
     assert _changed(base, _inputs_for(engine={"maxNumSeqs": 8})) == [
-        "node-runtime-kv-capacity", "node-runtime-service", "node-sla"]  # what vLLM allocated is read again
+        "node-runtime-kv-capacity", "node-runtime-service", "node-runtime-unit", "node-sla"]  # what vLLM allocated is read again
     assert _changed(base, _inputs_for(ingress={"ratePerSecond": 5})) == [
         "node-ingress-nginx", "node-sla"]
 
@@ -286,6 +288,32 @@ HF_TOKEN = "hf_" + "t0ken" * 8
 
 @pytest.mark.parametrize("kind", ["systemd", "docker"])
 @pulumi.runtime.test
+def test_what_a_failed_first_engine_start_left_is_removed_by_steps_already_in_the_state(recorder, kind):
+    """The service step (the engine's start) held the unit's files and the runtime's whole destroy.
+    A first start that fails is not recorded, so `pulumi destroy` then left the unit enabled and
+    restarting, its env file, the model and the venv or image. Each of those now belongs to a step
+    that is in the state before the start is tried, and the start's own step removes nothing."""
+    runtime = {"kind": kind} if kind == "systemd" else {"kind": kind, "image": "vllm/vllm-openai-cpu:v0.32.0"}
+    fleet = build(runtime=runtime)
+
+    def check(_):
+        regs = by_name(recorder)
+        name_of = {r["urn"]: n for n, r in regs.items()}
+        service, unit = regs["node-runtime-service"], regs["node-runtime-unit"]
+        install = regs["node-runtime-install" if kind == "systemd" else "node-runtime-image"]
+        assert not service["inputs"].get("destroy") and not service["inputs"].get("files")
+        assert "node-runtime-unit" in [name_of.get(u) for u in service["deps"]]
+        assert {f["path"] for f in unit["inputs"]["files"]} >= set(runtime_mod.unit_paths("node"))
+        assert "disable --now" in unit["inputs"]["destroy"] and "daemon-reload" in unit["inputs"]["destroy"]
+        assert "node-runtime-model" in [name_of.get(u) for u in unit["deps"]]  # destroyed before the model it reads
+        assert runtime_mod.STATE_DIR in regs["node-runtime-model"]["inputs"]["destroy"]
+        assert ("userdel" if kind == "systemd" else "docker image rm") in install["inputs"]["destroy"]
+
+    return settle(fleet).apply(check)
+
+
+@pytest.mark.parametrize("kind", ["systemd", "docker"])
+@pulumi.runtime.test
 def test_a_hugging_face_token_is_stored_only_as_a_secret(recorder, kind):
     """The engine's env file carries HF_TOKEN: the service step's files were a plain input, which
     Pulumi keeps in the state unencrypted (additional_secret_outputs covers outputs only)."""
@@ -295,8 +323,8 @@ def test_a_hugging_face_token_is_stored_only_as_a_secret(recorder, kind):
 
     def check(_):
         regs = by_name(recorder)
-        assert "files" in regs["node-runtime-service"]["secret_fields"]
-        assert HF_TOKEN in repr(regs["node-runtime-service"]["inputs"]["files"])  # it does reach the engine
+        assert "files" in regs["node-runtime-unit"]["secret_fields"]
+        assert HF_TOKEN in repr(regs["node-runtime-unit"]["inputs"]["files"])  # it does reach the engine
         for name, r in regs.items():
             plain = {k: v for k, v in r["inputs"].items() if k not in r["secret_fields"]}
             assert HF_TOKEN not in repr(plain), f"the HF token in plain inputs of {name}"
