@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,6 +20,7 @@ if [[ ${1-} == stack && ${2-} == --show-name ]]; then
   [[ -n ${STUB_SELECTED-} ]] || { echo "error: no stack selected" >&2; exit 255; }
   echo "$STUB_SELECTED"; exit 0
 fi
+if [[ "$*" == "stack ls --json" ]]; then echo "${STUB_STACKS-[]}"; exit 0; fi
 echo "PULUMI RAN: $*"
 echo "FIMFLEET_CACHE=$FIMFLEET_CACHE"
 echo "PULUMI_CONFIG_PASSPHRASE_FILE=${PULUMI_CONFIG_PASSPHRASE_FILE-}"
@@ -122,6 +124,44 @@ def test_an_own_passphrase_passes_the_guard(repo, args, tmp_path):
     (tmp_path / "pass").write_text("my own long passphrase\n")
     own = fimfleet(repo, "pulumi", *args.split(), PULUMI_CONFIG_PASSPHRASE_FILE=str(tmp_path / "pass"))
     assert own.returncode == 0 and "PULUMI RAN" in own.stdout, own.stderr
+
+
+def in_a_terminal(repo, args: str, **env) -> subprocess.CompletedProcess:
+    """./fimfleet pulumi ARGS with a terminal on both ends (script(1)'s pty), where pulumi prompts."""
+    line = " ".join(shlex.quote(a) for a in [str(repo / "fimfleet"), "pulumi", *args.split()])
+    return fimfleet(repo, "-qec", line, "/dev/null", script="script", CI=None, TERM="xterm", **env)
+
+
+PROD = '[{"name": "prod", "current": true}, {"name": "organization/fimfleet/staging", "current": false}]'
+
+
+@pytest.mark.parametrize("args, stacks, refused", [
+    ("config set k v -s prod", "[]", "stack prod does not exist"),
+    ("config -s staging", PROD.replace("staging", "other"), "stack staging does not exist"),
+    ("state delete urn:x -s prod", "[]", "stack prod does not exist"),
+    ("config", "[]", "names no stack and none is selected"),
+    ("stack", "[]", "names no stack and none is selected"),
+    ("stack select", PROD, "names no stack and none is selected"),
+    ("config set k v -s prod", PROD, None),
+    ("config -s staging", PROD, None),  # a backend that names it organization/project/stack
+    ("stack select prod", "[]", None),  # a name given: pulumi does not offer to create it
+    ("config set k v -s local-x", "[]", None),  # a local stack's passphrase is this one
+    ("--non-interactive config set k v -s prod", "[]", None),
+    ("version", "[]", None),
+])
+def test_in_a_terminal_a_stack_pulumi_would_offer_to_create_is_refused(repo, args, stacks, refused):
+    """pulumi prompts to create a stack it does not find (config, state, `stack`, `stack select`),
+    and one created so takes its salt from the passphrase in force: the public one."""
+    proc = in_a_terminal(repo, args, STUB_STACKS=stacks)
+    if refused:
+        assert proc.returncode == 1 and "PULUMI RAN" not in proc.stdout, proc.stdout
+        assert refused in proc.stdout and GUARD in proc.stdout, proc.stdout
+    else:
+        assert proc.returncode == 0 and f"PULUMI RAN: {args}" in proc.stdout, proc.stdout
+    if refused:  # the same without a terminal: pulumi itself says the stack is not found
+        assert "PULUMI RAN" in fimfleet(repo, "pulumi", *args.split(), STUB_STACKS=stacks).stdout
+        own = in_a_terminal(repo, args, STUB_STACKS=stacks, PULUMI_CONFIG_PASSPHRASE="my own long passphrase")
+        assert own.returncode == 0 and "PULUMI RAN" in own.stdout, own.stdout
 
 
 def test_env_masks_secret_values_and_shows_the_public_passphrase(repo):
