@@ -179,6 +179,8 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
         # Each step's destroy removes what that step made: a first engine start that fails is
         # not in the state, and destroy still removes the unit, the model and the venv or image.
         "unit": templates.render("runtime/unit.sh.j2", **kw),
+        "unit_check": templates.render("runtime/unit-check.sh.j2",
+                                       files=[f["path"] for f in service_files(node, render(cfg, node))]),
         "unit_destroy": templates.render("runtime/unit-destroy.sh.j2", **kw),
         "model_destroy": templates.render("runtime/model-destroy.sh.j2", **kw),
     }
@@ -186,7 +188,7 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
         out["bandwidth"] = templates.render("runtime/bandwidth.sh.j2", venv=cfg.runtime.venv_path, script=BANDWIDTH_SCRIPT)
         out["install"] = templates.render("runtime/install-venv.sh.j2", lock_path=REMOTE_LOCK,
                                           wheelhouse_url=cfg.runtime.wheelhouse_url, index_url=cfg.runtime.index_url, **kw)
-        out["install_destroy"] = templates.render("runtime/venv-destroy.sh.j2", **kw)
+        out["install_destroy"] = templates.render("runtime/venv-destroy.sh.j2", lock_path=REMOTE_LOCK, **kw)
     else:
         out["install"] = templates.render("runtime/pull-image.sh.j2", image=image_ref(cfg), images=kw["images"],
                                           docker_config=DOCKER_CONFIG, login=bool(registry_login(cfg)))
@@ -300,7 +302,7 @@ class VllmRuntime(pulumi.ComponentResource):
         # its destroy stops and removes the engine even when that start failed (and was not recorded).
         unit = RemoteStep(
             f"{name}-unit", label="vLLM unit", connection=connection, files=files,
-            apply=sh["unit"], destroy=sh["unit_destroy"],
+            apply=sh["unit"], check=sh["unit_check"], destroy=sh["unit_destroy"],
             opts=pulumi.ResourceOptions(parent=self, depends_on=before_start))
         self.service = RemoteStep(
             f"{name}-service", label="vLLM service", connection=connection,

@@ -109,8 +109,9 @@ def hostile_renders(payload: str):
     yield "start", r("runtime/start.sh.j2", unit=payload, served_name=payload, port=payload, timeout_s=0,
                      **_start_extras(payload))
     every = dict(unit=payload, container=payload, env_file=payload, venv=payload, state_dir=payload, cache_dir=payload,
+                 lock_path=payload, files=[payload],
                  user=payload, stamp=payload, images=payload, health=payload, home=payload, docker_config=payload)
-    for part in ("unit", "unit-destroy", "model-destroy", "venv-destroy", "image-destroy"):
+    for part in ("unit", "unit-check", "unit-destroy", "model-destroy", "venv-destroy", "image-destroy"):
         yield f"runtime-{part}", r(f"runtime/{part}.sh.j2", kind="docker", **every)
     yield "runtime-check", r("runtime/check.sh.j2", unit=payload)
     verify = r("kernel/verify.sh.j2", sysctl={payload: payload}, sysfs={payload: payload}, limits={payload: payload},

@@ -34,7 +34,7 @@ def destroy_parts(kind: str) -> list[str]:
 def run_destroy(tmp: Path, kind: str, venv: Path) -> None:
     env = stubs(tmp, {"systemctl": "exit 0", "docker": "exit 0", "userdel": "exit 0"})
     kw = {k: str(tmp / k) for k in ("state_dir", "cache_dir", "home", "images", "health", "docker_config", "env_file",
-                                    "stamp")}
+                                    "stamp", "lock_path")}
     for part in destroy_parts(kind):
         body = templates.render(f"runtime/{part}.sh.j2", unit="vllm-node.service", venv=str(venv), user="fimfleet-test",
                                 kind=kind, container="vllm-node", **kw)
@@ -57,6 +57,23 @@ def test_the_venv_fimfleet_installed_is_deleted(tmp_path):
     run_destroy(tmp_path, "systemd", venv)
     assert not venv.exists() and not (tmp_path / "opt" / "vllm.new").exists()
     assert (tmp_path / "opt").is_dir()
+
+
+@pytest.mark.parametrize("kind", ["systemd", "docker"])
+def test_the_runtimes_destroys_leave_nothing_its_steps_made(tmp_path, kind):
+    """The install step's lock file stayed, and the docker runtime's home (compile caches) and health
+    script stayed after a switch to the systemd runtime."""
+    made = [tmp_path / p for p in ("units/vllm-node.service", "units/vllm-node.service.d/memory.conf", "env_file",
+                                   "stamp", "health", "home/.cache/x", "state_dir/models/m/config.json",
+                                   "cache_dir/hub/x", "images", "docker_config/config.json", "lock_path")]
+    for f in made:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("x\n")
+    venv = tmp_path / "opt" / "vllm"
+    run_destroy(tmp_path, kind, venv)
+    left = [str(f.relative_to(tmp_path)) for f in made if f.exists()]
+    # the other kind's install step removes its own: the systemd destroy leaves docker's images list
+    assert left == (["images", "docker_config/config.json"] if kind == "systemd" else ["lock_path"])
 
 
 def test_a_destroy_cut_short_and_an_install_cut_short_leave_nothing_after_the_next_destroy(tmp_path):
