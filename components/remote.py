@@ -146,9 +146,11 @@ class RemoteStepProvider(ResourceProvider):
 
     @readable_failures
     def update(self, id_: str, olds: dict[str, Any], news: dict[str, Any]) -> UpdateResult:
-        if olds.get("appliedDigest") == _wanted(olds, news):
-            # Same host, same content: only the connection changed (a rotated SSH key, a moved
-            # host) or the step is being adopted into host identities. Record it, apply nothing.
+        # A new destroy script changes nothing that the apply did: it is recorded, not applied
+        # (an apply again could mean a model's whole upload).
+        if olds.get("appliedDigest") == _wanted(olds, {**news, "destroy": olds.get("destroy")}):
+            # Same host, same content: only the connection or the destroy changed (a rotated SSH
+            # key, a moved host) or the step is being adopted into host identities. Record it, apply nothing.
             if not _gone(news):
                 with shared_session(_target(news)) as client:
                     self._mark(client, id_, _digest(news))

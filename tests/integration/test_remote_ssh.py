@@ -425,3 +425,19 @@ def test_a_failed_update_is_drift_for_refresh_even_if_the_config_goes_back(sshd,
         p.update(v1.id, v1.outs, step(pinned(sshd, ident), files=files, apply="exit 7"))
     assert (sshd.varlib / "fimfleet" / "steps" / v1.id).read_text() == "pending"
     assert p.read(v1.id, v1.outs).outs["appliedDigest"] == "drifted"
+
+
+def test_a_new_destroy_script_is_recorded_without_running_the_apply_again(sshd):
+    """A step whose destroy alone changed ran its whole apply again (a local model's upload, GBs)."""
+    ident = first_contact(sshd)
+    p = remote.RemoteStepProvider()
+    v1 = p.create(step(pinned(sshd, ident), apply="date +%s%N"))  # each run prints another line
+    news = step(pinned(sshd, ident), apply="date +%s%N", destroy="echo gone")
+    assert p.diff(v1.id, v1.outs, news).changes
+    v2 = p.update(v1.id, v1.outs, news).outs
+    assert v2["stdout"] == v1.outs["stdout"] and v2["destroy"] == "echo gone"
+    assert (sshd.varlib / "fimfleet" / "steps" / v1.id).read_text() == v2["appliedDigest"]
+    assert p.read(v1.id, v2).outs["appliedDigest"] == v2["appliedDigest"]
+    assert not p.diff(v1.id, v2, news).changes
+    changed = p.update(v1.id, v2, {**news, "apply": "echo again"}).outs  # the apply's own change still runs it
+    assert changed["stdout"].strip() == "again"
