@@ -4,6 +4,7 @@ misreads is drift that never ends, and a mismatch it misses is drift never repai
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -147,7 +148,32 @@ def test_a_first_apply_the_host_refuses_leaves_nothing_for_the_next_boot(tmp_pat
     assert proc.returncode == 1 and "sysctl no.such.key does not exist on this kernel" in proc.stderr, proc.stderr
     assert not [f["path"] for f in r.installed if Path(moved(f["path"])).exists()]
     assert not (tmp_path / "calls").exists()  # nothing loaded, set or enabled either
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", moved(r.destroy)], capture_output=True, text=True, env=env,
-                          timeout=30)
-    assert proc.returncode == 0, proc.stderr
-    assert not Path(moved(kernel.STAGED_DIR)).exists()
+    assert not Path(moved(kernel.STAGED_DIR)).exists()  # and no staged copy: no destroy will come
+
+
+def test_an_apply_rewrites_only_the_files_that_differ(tmp_path):
+    """install(1) rewrote every file on each apply: the unit's new mtime made systemd want a
+    daemon-reload (several seconds emulated) on every run."""
+    r = kernel.render(kernel.KernelArgs())
+    root = tmp_path / "root"
+
+    def moved(text: str) -> str:
+        return re.sub(r"(?<![\w.-])/(etc|var|usr)/", lambda m: f"{root}/{m.group(1)}/", text)
+
+    for f in r.files:
+        path = Path(moved(f["path"]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f["content"])
+    lines = moved(r.apply).splitlines()
+    body = "\n".join(lines[lines.index("# Only a file that differs is written: a new mtime on the unit would cost a daemon-reload."):]
+                     ).split("sysctl -q -p")[0]
+    run = ["bash", "-euo", "pipefail", "-c", f"staged={moved(kernel.STAGED_DIR)}\n{body}"]
+    subprocess.run(run, check=True, timeout=30)
+    unit = Path(moved(kernel.UNIT_PATH))
+    assert unit.read_text() == next(f["content"] for f in r.installed if f["path"] == kernel.UNIT_PATH)
+    os.utime(unit, (1, 1))
+    subprocess.run(run, check=True, timeout=30)
+    assert unit.stat().st_mtime == 1
+    unit.write_text("changed by hand\n")
+    subprocess.run(run, check=True, timeout=30)
+    assert unit.stat().st_mtime > 1 and "changed by hand" not in unit.read_text()
