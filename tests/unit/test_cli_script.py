@@ -129,7 +129,7 @@ def test_an_own_passphrase_passes_the_guard(repo, args, tmp_path):
 def in_a_terminal(repo, args: str, **env) -> subprocess.CompletedProcess:
     """./fimfleet pulumi ARGS with a terminal on both ends (script(1)'s pty), where pulumi prompts."""
     line = " ".join(shlex.quote(a) for a in [str(repo / "fimfleet"), "pulumi", *args.split()])
-    return fimfleet(repo, "-qec", line, "/dev/null", script="script", CI=None, TERM="xterm", **env)
+    return fimfleet(repo, "-qec", line, "/dev/null", script="script", **{"CI": None, "TERM": "xterm", **env})
 
 
 PROD = '[{"name": "prod", "current": true}, {"name": "organization/fimfleet/staging", "current": false}]'
@@ -141,18 +141,23 @@ PROD = '[{"name": "prod", "current": true}, {"name": "organization/fimfleet/stag
     ("state delete urn:x -s prod", "[]", "stack prod does not exist"),
     ("config", "[]", "names no stack and none is selected"),
     ("stack", "[]", "names no stack and none is selected"),
-    ("stack select", PROD, "names no stack and none is selected"),
+    ("stack select", PROD, "names no stack:"),  # its list offers <create a new stack>, whatever is selected
+    ("up -s kms", "[]", "stack kms does not exist"),  # a created stack loses the KMS its settings file names
+    ("config rm k -s prod", "[]", "stack prod does not exist"),
     ("config set k v -s prod", PROD, None),
     ("config -s staging", PROD, None),  # a backend that names it organization/project/stack
     ("stack select prod", "[]", None),  # a name given: pulumi does not offer to create it
     ("config set k v -s local-x", "[]", None),  # a local stack's passphrase is this one
     ("--non-interactive config set k v -s prod", "[]", None),
     ("version", "[]", None),
+    ("up -s kms", '[{"name": "kms"}]', None),
+    ("config cp k -d local -s prod", "[]", None),  # config copy does not offer to create its source
 ])
 def test_in_a_terminal_a_stack_pulumi_would_offer_to_create_is_refused(repo, args, stacks, refused):
     """pulumi prompts to create a stack it does not find (config, state, `stack`, `stack select`),
     and one created so takes its salt from the passphrase in force: the public one."""
-    proc = in_a_terminal(repo, args, STUB_STACKS=stacks)
+    selected = None if "none is selected" in (refused or "") else "prod"
+    proc = in_a_terminal(repo, args, STUB_STACKS=stacks, STUB_SELECTED=selected)
     if refused:
         assert proc.returncode == 1 and "PULUMI RAN" not in proc.stdout, proc.stdout
         assert refused in proc.stdout and GUARD in proc.stdout, proc.stdout
@@ -162,6 +167,8 @@ def test_in_a_terminal_a_stack_pulumi_would_offer_to_create_is_refused(repo, arg
         assert "PULUMI RAN" in fimfleet(repo, "pulumi", *args.split(), STUB_STACKS=stacks).stdout
         own = in_a_terminal(repo, args, STUB_STACKS=stacks, PULUMI_CONFIG_PASSPHRASE="my own long passphrase")
         assert own.returncode == 0 and "PULUMI RAN" in own.stdout, own.stdout
+        ci = in_a_terminal(repo, args, STUB_STACKS=stacks, STUB_SELECTED=selected, CI="true")  # pulumi does not read CI: it still prompts
+        assert ci.returncode == 1 and refused in ci.stdout, ci.stdout
 
 
 def test_env_masks_secret_values_and_shows_the_public_passphrase(repo):
