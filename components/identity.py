@@ -22,9 +22,20 @@ import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, ReadResult, Resource, ResourceProvider, UpdateResult
 
 from components.errors import Error, readable_failures, warn
+from components.remote import UNDO_DIR
 from components.ssh import SshTarget, Unreachable, run, session, shared_session
 
 ID_FILE = "/var/lib/fimfleet/host-id"
+SWEEP = f"""# What the creates that never finished left (components/remote.py, UNDO_DIR), newest first;
+# the host leaves the stack, so no later run would undo them.
+if cd {UNDO_DIR} 2>/dev/null; then
+  for f in $(ls -t); do
+    echo "progress: $(head -n 1 "$f" | cut -c3-)" >&2
+    if ! out=$(bash -euo pipefail "$f" </dev/null 2>&1); then printf '%s: %s\\n' "$(head -n 1 "$f" | cut -c3-)" "$(tail -n 3 <<<"$out")"; fi
+    rm -f "$f"
+  done
+fi
+rm -f {ID_FILE}"""
 PROBE = f"cat /etc/machine-id 2>/dev/null || echo unknown; cat {ID_FILE} 2>/dev/null || true"
 
 
@@ -103,9 +114,12 @@ class HostIdentityProvider(ResourceProvider):
             return
         try:
             with session(SshTarget.from_props(conn)) as client:
-                run(client, f"rm -f {ID_FILE}")
+                _, failed, _ = run(client, SWEEP, timeout_s=1800, label="undo of unfinished steps")
         except Unreachable as e:
             warn(f"{e}; fimfleet's host id stays on it")
+            return
+        if failed.strip():
+            warn(f"undoing steps whose first apply did not finish failed on {conn.get('host')}; what they did stays:\n{failed.strip()}")
 
 
 class HostIdentity(Resource):

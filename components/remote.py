@@ -20,6 +20,7 @@ pays one SSH handshake and one login per host instead of one per step.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import shlex
@@ -39,6 +40,10 @@ MARKER_DIR = "/var/lib/fimfleet/steps"
 """Each applied step leaves its digest here; a wiped host has none, so refresh finds it."""
 PENDING = "pending"
 """A marker while an update is under way: no digest matches it."""
+UNDO_DIR = f"{MARKER_DIR}/undo"
+"""A create's destroy script waits here until that create succeeds. A first apply that failed or
+was cut short is not in the state, so no destroy would ever run for what it did: the host's
+identity runs what is left here when the host leaves the stack (components/identity.py)."""
 
 
 
@@ -85,12 +90,29 @@ def _mark_command(id_: str, digest: str) -> str:
     return f"mkdir -p {MARKER_DIR} && printf %s {digest} > {shlex.quote(_marker(id_))}"
 
 
-def _then_mark(script: str, id_: str, digest: str, pending: bool = False) -> str:
+def _undo(props: dict) -> dict | None:
+    """The undo file of a create (UNDO_DIR), keyed by the step's resource name: a rerun's create
+    replaces the one its failed run left."""
+    name, destroy = props.get("undoKey"), props.get("destroy")
+    if not (name and destroy):
+        return None
+    key = hashlib.sha256(str(name).encode()).hexdigest()[:24]
+    return {"path": f"{UNDO_DIR}/{key}", "mode": "0600",
+            "content": f"# undo of {props.get('label', name)} ({name}), whose first apply did not finish\n{destroy}\n"}
+
+
+def _then_mark(script: str, id_: str, digest: str, pending: bool = False, undo: dict | None = None,
+               write_undo: bool = False) -> str:
     """The apply in a subshell, then its marker, in one shell on the host (a second one costs
     about 0.3 s emulated): an `exit 0` in the script ends only the subshell, and a failure ends
-    both (set -e) before the marker is written. `pending`: the marker says so first."""
+    both (set -e) before the marker is written. `pending`: the marker says so first. `undo`: a
+    create's undo file, written first (`write_undo`; else the upload did) and removed at the end."""
     first = f"{_mark_command(id_, PENDING)}\n" if pending else ""
-    return f"{first}(\n:\n{script}\n)\n{_mark_command(id_, digest)}\n"
+    if undo and write_undo:
+        b64 = base64.b64encode(undo["content"].encode()).decode()
+        first += f"mkdir -p {UNDO_DIR} && printf %s {b64} | base64 -d > {shlex.quote(undo['path'])}\n"
+    last = f"rm -f {shlex.quote(undo['path'])}\n" if undo else ""
+    return f"{first}(\n:\n{script}\n)\n{_mark_command(id_, digest)}\n{last}"
 
 
 def _target(props: dict) -> SshTarget:
@@ -114,14 +136,17 @@ class RemoteStepProvider(ResourceProvider):
         t = _target(props)
         with shared_session(t) as client:
             if script_key == "apply":
-                # with an upload, the marker goes first in it; without one, first in the script
+                # with an upload, the marker (an update's) or the undo file (a create's) goes first
+                # in it; without one, first in the script
                 uploads = bool(props.get("files") or props.get("uploads"))
+                undo = None if update else _undo(props)
                 if uploads:
-                    marker = [{"path": _marker(id_), "mode": "0644", "content": PENDING}] if update else []
-                    put_files(client, marker + list(props.get("files") or ()))
+                    first = [{"path": _marker(id_), "mode": "0644", "content": PENDING}] if update else []
+                    put_files(client, first + ([undo] if undo else []) + list(props.get("files") or ()))
                 for up in props.get("uploads") or ():
                     put_dir(client, up["local"], up["remote"])
-                script = _then_mark(script, id_, _digest(props), pending=update and not uploads)
+                script = _then_mark(script, id_, _digest(props), pending=update and not uploads, undo=undo,
+                                    write_undo=not uploads)
             code, out, err = (run(client, script, timeout_s=float(props.get("timeoutS", 1800)), env=props.get("env"),
                                   label=label) if script else (0, "", ""))
             if code == 0 and script_key == "destroy":
@@ -218,5 +243,6 @@ class RemoteStep(Resource):
             additional_secret_outputs=["connection", "files", "env"]))
         super().__init__(RemoteStepProvider(), name, {
             "connection": connection, "apply": apply, "check": check, "destroy": destroy,
-            "files": files, "uploads": uploads, "env": env, "triggers": triggers, "timeoutS": timeout_s, "label": label or name, "stdout": None, "appliedDigest": None,
+            "files": files, "uploads": uploads, "env": env, "triggers": triggers, "timeoutS": timeout_s, "label": label or name,
+            "undoKey": name, "stdout": None, "appliedDigest": None,
         }, opts)

@@ -441,3 +441,30 @@ def test_a_new_destroy_script_is_recorded_without_running_the_apply_again(sshd):
     assert not p.diff(v1.id, v2, news).changes
     changed = p.update(v1.id, v2, {**news, "apply": "echo again"}).outs  # the apply's own change still runs it
     assert changed["stdout"].strip() == "again"
+
+
+@pytest.mark.parametrize("files", [None, [{"path": "/var/lib/fimfleet-test/conf", "mode": "0644", "content": "x\n"}]])
+def test_what_a_first_apply_that_failed_did_is_undone_when_its_host_leaves_the_stack(sshd, files):
+    """A create that fails is not in the state, so `pulumi destroy` never ran its destroy: a timer
+    it enabled, a registry login it uploaded stayed. Its destroy now waits on the host until the
+    create succeeds, and the host's identity runs what is left when the host leaves."""
+    ident = first_contact(sshd)
+    p = remote.RemoteStepProvider()
+    mark = sshd.varlib / "fimfleet-test" / "made"
+    failing = step(pinned(sshd, ident), files=files, apply="mkdir -p /var/lib/fimfleet-test; touch /var/lib/fimfleet-test/made; exit 3",
+                   destroy="rm -rf /var/lib/fimfleet-test", undoKey="node-monitor-timer")
+    with pytest.raises(remote.Error, match="exit 3"):
+        p.create(failing)
+    undo = list((sshd.varlib / "fimfleet" / "steps" / "undo").iterdir())
+    assert len(undo) == 1 and mark.exists()
+    # a rerun whose create succeeds holds the destroy in the state: its undo file goes
+    ok = p.create({**failing, "apply": "echo fixed"})
+    assert not list((sshd.varlib / "fimfleet" / "steps" / "undo").iterdir())
+    with pytest.raises(remote.Error, match="exit 3"):
+        p.create(failing)
+    props = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", **ident}
+    identity.HostIdentityProvider().delete("id", props)
+    assert not (sshd.varlib / "fimfleet-test").exists()
+    assert not list((sshd.varlib / "fimfleet" / "steps" / "undo").iterdir())
+    assert not (sshd.varlib / "fimfleet" / "host-id").exists()
+    assert ok.outs["stdout"].strip() == "fixed"
