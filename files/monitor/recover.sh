@@ -20,9 +20,16 @@ state=${STATE_DIR:-/run/fimfleet/monitor-${ENGINE_UNIT%.service}}
 log() { echo "$*"; logger -t fimfleet-monitor -- "$ENGINE_UNIT: $*" 2>/dev/null || true; }
 # A healthy round runs every few seconds for the engine's whole life, so it forks only for the
 # probe and /metrics: state is read with `read`, the clock with printf's %(%s)T.
-failures=0
-{ read -r failures < "$state/failures"; } 2>/dev/null || true
-[[ $failures =~ ^[0-9]+$ ]] || failures=0
+# counter FILE VAR: the number kept in $state/FILE into VAR, 0 when the file is missing or holds
+# no number (a round killed while it wrote it); no fork.
+counter() {
+  local v=0
+  { read -r v < "$state/$1"; } 2>/dev/null || true
+  [[ $v =~ ^[0-9]+$ ]] || v=0
+  printf -v "$2" '%s' "$v"
+}
+failures=0 progress_at=0 restarted=0 ok_at=0 stage=0
+counter failures failures
 
 # What the engine core last reported through its own /metrics (loopback, no key): token
 # counters, KV cache use and request gauges. They change only when the engine finishes a
@@ -41,7 +48,8 @@ prev=''
 # not against nothing (which would look like movement).
 [ -n "$sample" ] && printf '%s' "$sample" > "$state/engine-sample"
 printf -v now '%(%s)T' -1
-[ -s "$state/progress-at" ] || echo "$now" > "$state/progress-at"
+counter progress-at progress_at
+[ "$progress_at" != 0 ] || echo "$now" > "$state/progress-at"
 if [ "$rc" -eq 0 ]; then
   [ "$failures" -gt 0 ] && log "probe ok again after $failures failure(s)"
   echo 0 > "$state/failures"; echo "$now ok" > "$state/last"; echo "$now" > "$state/progress-at"; echo "$now" > "$state/ok-at"
@@ -66,10 +74,11 @@ fi
 # start of its unit that no probe has passed since (a deploy's start.sh, an operator's restart).
 # Both times have whole seconds: a start in the second of the last passed probe came after it
 # (no engine serves within a second of its start), so it is a start too.
-restarted=$(cat "$state/restarted-at" 2>/dev/null || echo 0)
+counter restarted-at restarted
+counter ok-at ok_at
 entered=$(systemctl show -p ActiveEnterTimestamp --value "$ENGINE_UNIT" 2>/dev/null || true)
 entered=$( { [ -n "$entered" ] && date -d "$entered" +%s; } 2>/dev/null || echo 0)
-if [ "$entered" -gt "$restarted" ] && [ "$entered" -ge "$(cat "$state/ok-at" 2>/dev/null || echo 0)" ]; then
+if [ "$entered" -gt "$restarted" ] && [ "$entered" -ge "$ok_at" ]; then
   restarted=$entered
 fi
 if [ $(( now - restarted )) -lt "$GRACE_S" ] && systemctl is-active -q "$ENGINE_UNIT"; then
@@ -81,18 +90,19 @@ fi
 echo "$now fail $(head -c 300 "$state/last-error")" > "$state/last"
 
 failures=$((failures + 1)); echo "$failures" > "$state/failures"
-stalled=$(( now - $(cat "$state/progress-at") ))
+counter progress-at progress_at
+stalled=$(( now - progress_at ))
 seen=${sample:+unchanged}
 log "probe failed ($failures/$FAILURE_THRESHOLD), engine idle for ${stalled}s (hung at ${STALL_S}s; vLLM metrics ${seen:-gave no answer within ${METRICS_TIMEOUT_S}s}): $(head -c 200 "$state/last-error")"
 [ "$failures" -lt "$FAILURE_THRESHOLD" ] && exit 0
 [ "$stalled" -lt "$STALL_S" ] && exit 0
 
 systemctl is-active -q nginx || { log "nginx is down: restarting it"; systemctl restart nginx; }
-stage=$(cat "$state/stage" 2>/dev/null || echo 0)
+counter stage stage
 if [ "$stage" = 0 ]; then
   log "hung: restarting $ENGINE_UNIT"
+  echo 1 > "$state/stage"  # first: a round cut short during the restart escalates at the next verdict
   timeout "$RESTART_TIMEOUT_S" systemctl restart "$ENGINE_UNIT" || log "restart did not finish in ${RESTART_TIMEOUT_S}s"
-  echo 1 > "$state/stage"
 else
   log "escalating: SIGKILL to the processes of $ENGINE_UNIT, clearing its shared memory, starting it again"
   [ -n "${CONTAINER:-}" ] && docker kill --signal KILL "$CONTAINER" >/dev/null 2>&1

@@ -88,7 +88,7 @@ esac
 """
 
 
-def grace_round(tmp_path: Path, ok_at: int, entered: int) -> tuple[str, str]:
+def grace_round(tmp_path: Path, ok_at: int, entered: int, kept: dict | None = None) -> tuple[str, str]:
     """One recover.sh round whose probe fails and whose /metrics does not answer, with the last
     passed probe at ok_at and the engine's unit entered active at entered (epoch seconds)."""
     root = Path(__file__).resolve().parents[2] / "files" / "monitor"
@@ -105,6 +105,8 @@ def grace_round(tmp_path: Path, ok_at: int, entered: int) -> tuple[str, str]:
     state.mkdir()
     (state / "ok-at").write_text(f"{ok_at}\n")
     (state / "progress-at").write_text(f"{ok_at}\n")
+    for name, text in (kept or {}).items():  # what a round killed while writing left
+        (state / name).write_text(text)
     (tmp_path / "monitor.env").write_text(
         f"ENGINE_UNIT=vllm-node.service\nSTATE_DIR={state}\nFAILURE_THRESHOLD=2\nGRACE_S=600\nSTALL_S=30\n"
         "RESTART_TIMEOUT_S=5\nMETRICS_URL=http://127.0.0.1:9/metrics\nMETRICS_TIMEOUT_S=1\n")
@@ -121,6 +123,14 @@ def test_a_start_after_the_last_passed_probe_is_in_its_grace(tmp_path, entered_a
     seconds) or later is a start: its failed probes are not counted toward a restart."""
     ok_at = int(time.time()) - 60
     out, failures = grace_round(tmp_path, ok_at, ok_at + entered_after_ok_s)
+    assert "start grace" in out and failures == "0", out
+
+
+def test_a_counter_a_killed_round_left_empty_or_cut_reads_as_zero(tmp_path):
+    """ok-at and restarted-at were read with cat: an empty file made `[ -ge "" ]` fail, so a
+    starting engine lost its grace and was restarted once too early."""
+    ok_at = int(time.time()) - 60
+    out, failures = grace_round(tmp_path, ok_at, ok_at + 40, kept={"ok-at": "", "restarted-at": "17x"})
     assert "start grace" in out and failures == "0", out
 
 
