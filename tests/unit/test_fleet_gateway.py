@@ -3,6 +3,7 @@ files, and what a change drains."""
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pulumi
@@ -436,3 +437,25 @@ def test_the_local_fleet_is_the_local_stacks_node_twice():
 def test_a_request_may_try_one_node_more_than_a_roll_drains_at_once(max_unavailable, tries):
     fleet = gateway.args_for(fleet_cfg(rollout={"maxUnavailable": max_unavailable})).ingress.fleet
     assert fleet.tries == tries  # capped at the three nodes
+
+
+def test_servers_runs_killed_before_their_rename_leave_one_file_that_the_gateways_destroy_removes(tmp_path):
+    """mktemp's file per killed run stayed in /etc/nginx/fimfleet.d after destroy (and kept the
+    directory from going): the generator now writes one fixed name beside the servers file."""
+    import dataclasses
+
+    from components.gateway_render import servers_script
+
+    gw = fleet_shape.args_for(fleet_cfg(gateway={"host": "n1"})).gateway
+    fleet = gw.ingress.fleet
+    out = tmp_path / "gateway.servers"
+    fleet = dataclasses.replace(fleet, paths=dataclasses.replace(fleet.paths, servers=str(out)))
+    script = servers_script(fleet).replace('mv -f "$tmp" "$out"', 'kill -9 $$')
+    for _ in range(2):
+        assert subprocess.run(["bash", "-c", script], timeout=30).returncode == -9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gateway.servers.fimfleet-tmp"]
+    subprocess.run(["bash", "-c", servers_script(fleet)], check=True, timeout=30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gateway.servers"]
+    _, installs = ingress.render_files(gw.ingress, "203.0.113.10", "<cert>", "<key>")
+    destroy = ingress.step_scripts(gw.ingress, installs)["destroy"]
+    assert f"{gw.ingress.fleet.paths.servers}.fimfleet-tmp" in destroy
