@@ -164,3 +164,70 @@ def test_an_install_killed_between_its_two_renames_finishes_the_swap_on_its_reru
     assert '"installed": false' in proc.stdout
     assert sorted(p.name for p in opt.iterdir()) == ["vllm"]
     assert (opt / "vllm" / ".fimfleet-lock").read_text().strip() == want
+
+
+# python3 -m venv DIR makes DIR/bin/{pip,python} (and says so in $FAKE_LOG); that pip installs a tree
+# deep enough for destroy's side-by-side unlink (lib/python3.11/site-packages/<pkg>/<sub>)
+PYTHON3 = r'''
+if [ "$1 $2" = "-m venv" ]; then
+  echo venv >> "$FAKE_LOG"
+  mkdir -p "$3/bin"
+  printf '#!/bin/bash\nd=$(dirname "$(dirname "$0")")/lib/python3.11/site-packages; mkdir -p "$d/vllm/sub" "$d/torch/sub"; echo x > "$d/vllm/sub/f.py"\n' > "$3/bin/pip"
+  printf '#!/bin/bash\nexit 0\n' > "$3/bin/python"
+  chmod +x "$3/bin/pip" "$3/bin/python"
+  exit 0
+fi
+exit 3
+'''
+# rm killed while it deletes a stamped venv (FAKE_RM_DIES): it unlinks the stamp first, as rm does
+RM = r'''
+if [ -n "${FAKE_RM_DIES:-}" ]; then
+  for a in "$@"; do
+    if [ -f "$a/.fimfleet-lock" ]; then /bin/rm -f "$a/.fimfleet-lock"; kill -9 "$PPID"; exit 137; fi
+  done
+fi
+exec /bin/rm "$@"
+'''
+
+
+@pytest.mark.parametrize("then", ["rerun", "destroy"])
+def test_a_venv_install_killed_at_any_line_or_mid_delete_converges_on_its_rerun_and_its_destroy(tmp_path, then):
+    """Over an installed venv of another lock: a kill while the old venv was deleted (rm unlinks its
+    stamp first) left a stampless .old that destroy took for someone else's, and a kill after .new
+    was stamped installed it all again."""
+    from tests.unit.test_package_ledger import kill_points
+
+    lock = tmp_path / "vllm.lock"
+    lock.write_text("vllm==0.0.2\n")
+    want = subprocess.run(["sha256sum", str(lock)], capture_output=True, text=True).stdout[:16]
+    log = tmp_path / "log"
+    env = {**stubs(tmp_path, {"python3": PYTHON3, "rm": RM, "useradd": "exit 0", "userdel": "exit 0", "id": "exit 0"}),
+           "FAKE_LOG": str(log)}
+    kw = dict(lock_path=str(lock), user="u", state_dir=str(tmp_path / "s"), wheelhouse_url="", index_url="")
+    points = kill_points(templates.render("runtime/install-venv.sh.j2", venv="/opt/vllm", **kw), start="want=")
+    assert len(points) >= 8
+    for n, kill in enumerate([{"line": line} for line in points] + [{"FAKE_RM_DIES": "1"}]):
+        opt = tmp_path / str(n) / "opt"
+        venv = tree(opt / "vllm")
+        (venv / ".fimfleet-lock").write_text("0123456789abcdef\n")  # an older lock's venv
+        body = templates.render("runtime/install-venv.sh.j2", venv=str(venv), **kw)
+        lines = body.splitlines()
+        if "line" in kill:
+            at = lines.index(kill["line"])
+            killed = bash("\n".join(lines[:at + 1] + ["kill -9 $$"] + lines[at + 1:]), env)
+        else:
+            killed = bash(body, {**env, **kill})
+        assert killed.returncode in (0, -9, 137), (kill, killed.stderr)  # 0: a line this run does not reach
+        stamped = (opt / "vllm.new" / ".fimfleet-lock").exists()
+        log.write_text("")
+        if then == "rerun":
+            proc = bash(body, env)
+            assert proc.returncode == 0, (kill, proc.stderr)
+            assert sorted(p.name for p in opt.iterdir()) == ["vllm"], kill
+            assert (venv / ".fimfleet-lock").read_text().strip() == want, kill
+            assert not (stamped and log.read_text()), f"a stamped .new was installed again: {kill}"
+        else:
+            destroy = templates.render("runtime/venv-destroy.sh.j2", venv=str(venv), user="u",
+                                       lock_path=str(tmp_path / str(n) / "lock"))
+            assert bash(destroy, env).returncode == 0, kill
+            assert sorted(p.name for p in opt.iterdir()) == [], kill
