@@ -34,6 +34,7 @@ if cd {UNDO_DIR} 2>/dev/null; then
     if ! out=$(bash -euo pipefail "$f" </dev/null 2>&1); then printf '%s: %s\\n' "$(head -n 1 "$f" | cut -c3-)" "$(tail -n 3 <<<"$out")"; fi
     rm -f "$f"
   done
+  cd / && rmdir {UNDO_DIR} 2>/dev/null || true
 fi
 rm -f {ID_FILE}"""
 PROBE = f"cat /etc/machine-id 2>/dev/null || echo unknown; cat {ID_FILE} 2>/dev/null || true"

@@ -465,6 +465,6 @@ def test_what_a_first_apply_that_failed_did_is_undone_when_its_host_leaves_the_s
     props = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", **ident}
     identity.HostIdentityProvider().delete("id", props)
     assert not (sshd.varlib / "fimfleet-test").exists()
-    assert not list((sshd.varlib / "fimfleet" / "steps" / "undo").iterdir())
+    assert not (sshd.varlib / "fimfleet" / "steps" / "undo").exists()
     assert not (sshd.varlib / "fimfleet" / "host-id").exists()
     assert ok.outs["stdout"].strip() == "fixed"
