@@ -22,16 +22,22 @@ import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, ReadResult, Resource, ResourceProvider, UpdateResult
 
 from components.errors import Error, readable_failures, warn
-from components.remote import UNDO_DIR
+from components.remote import UNDO_DIR, UNDO_NAME
 from components.ssh import SshTarget, Unreachable, run, session, shared_session
 
 ID_FILE = "/var/lib/fimfleet/host-id"
 SWEEP = f"""# What the creates that never finished left (components/remote.py, UNDO_DIR), newest first;
-# the host leaves the stack, so no later run would undo them.
+# the host leaves the stack, so no later run would undo them. Each within its step's time; one
+# that fails is named and the rest go on. Anything else there (an upload's temp file) just goes.
 if cd {UNDO_DIR} 2>/dev/null; then
   for f in $(ls -t); do
-    echo "progress: $(head -n 1 "$f" | cut -c3-)" >&2
-    if ! out=$(bash -euo pipefail "$f" </dev/null 2>&1); then printf '%s: %s\\n' "$(head -n 1 "$f" | cut -c3-)" "$(tail -n 3 <<<"$out")"; fi
+    [[ $f =~ ^{UNDO_NAME.pattern}$ ]] || {{ rm -f "$f"; continue; }}
+    what=$(head -n 1 "$f" | cut -c3-)
+    limit=$(sed -n 's/^# timeout: \\([0-9][0-9]*\\)$/\\1/p' "$f" | head -n 1)
+    echo "progress: $what" >&2
+    if ! out=$(timeout -k 10 "${{limit:-1800}}" bash -euo pipefail "$f" </dev/null 2>&1); then
+      printf '%s: %s\\n' "$what" "$(tail -n 3 <<<"$out")"
+    fi
     rm -f "$f"
   done
   cd / && rmdir {UNDO_DIR} 2>/dev/null || true
@@ -115,7 +121,7 @@ class HostIdentityProvider(ResourceProvider):
             return
         try:
             with session(SshTarget.from_props(conn)) as client:
-                _, failed, _ = run(client, SWEEP, timeout_s=1800, label="undo of unfinished steps")
+                _, failed, _ = run(client, SWEEP, timeout_s=7200, label="undo of unfinished steps")
         except Unreachable as e:
             warn(f"{e}; fimfleet's host id stays on it")
             return

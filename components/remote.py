@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import shlex
 import uuid
 from typing import Any
@@ -90,15 +91,20 @@ def _mark_command(id_: str, digest: str) -> str:
     return f"mkdir -p {MARKER_DIR} && printf %s {digest} > {shlex.quote(_marker(id_))}"
 
 
+UNDO_NAME = re.compile(r"[0-9a-f]{24}")
+"""An undo file's name; anything else in UNDO_DIR (an upload's temp file) is not one."""
+
+
 def _undo(props: dict) -> dict | None:
     """The undo file of a create (UNDO_DIR), keyed by the step's resource name: a rerun's create
-    replaces the one its failed run left."""
-    name, destroy = props.get("undoKey"), props.get("destroy")
-    if not (name and destroy):
+    replaces the one its failed run left. Its header names the step and the time it may take."""
+    name = props.get("undoKey")
+    if not name:
         return None
     key = hashlib.sha256(str(name).encode()).hexdigest()[:24]
-    return {"path": f"{UNDO_DIR}/{key}", "mode": "0600",
-            "content": f"# undo of {props.get('label', name)} ({name}), whose first apply did not finish\n{destroy}\n"}
+    header = (f"# undo of {props.get('label', name)} ({name}), whose first apply did not finish\n"
+              f"# timeout: {int(float(props.get('timeoutS', 1800)))}\n")
+    return {"path": f"{UNDO_DIR}/{key}", "mode": "0600", "content": f"{header}{props.get('destroy') or ''}\n"}
 
 
 def _then_mark(script: str, id_: str, digest: str, pending: bool = False, undo: dict | None = None,
@@ -106,11 +112,12 @@ def _then_mark(script: str, id_: str, digest: str, pending: bool = False, undo: 
     """The apply in a subshell, then its marker, in one shell on the host (a second one costs
     about 0.3 s emulated): an `exit 0` in the script ends only the subshell, and a failure ends
     both (set -e) before the marker is written. `pending`: the marker says so first. `undo`: a
-    create's undo file, written first (`write_undo`; else the upload did) and removed at the end."""
+    create's undo file, written first (`write_undo`; else the upload did) and removed at the end,
+    also when the step has no destroy (an earlier program's step of that name may have had one)."""
     first = f"{_mark_command(id_, PENDING)}\n" if pending else ""
     if undo and write_undo:
         b64 = base64.b64encode(undo["content"].encode()).decode()
-        first += f"mkdir -p {UNDO_DIR} && printf %s {b64} | base64 -d > {shlex.quote(undo['path'])}\n"
+        first += f"(umask 077 && mkdir -p {UNDO_DIR} && printf %s {b64} | base64 -d > {shlex.quote(undo['path'])})\n"
     last = f"rm -f {shlex.quote(undo['path'])}\n" if undo else ""
     return f"{first}(\n:\n{script}\n)\n{_mark_command(id_, digest)}\n{last}"
 
@@ -142,11 +149,13 @@ class RemoteStepProvider(ResourceProvider):
                 undo = None if update else _undo(props)
                 if uploads:
                     first = [{"path": _marker(id_), "mode": "0644", "content": PENDING}] if update else []
-                    put_files(client, first + ([undo] if undo else []) + list(props.get("files") or ()))
+                    if undo and props.get("destroy"):
+                        first.append(undo)
+                    put_files(client, first + list(props.get("files") or ()))
                 for up in props.get("uploads") or ():
                     put_dir(client, up["local"], up["remote"])
                 script = _then_mark(script, id_, _digest(props), pending=update and not uploads, undo=undo,
-                                    write_undo=not uploads)
+                                    write_undo=not uploads and bool(props.get("destroy")))
             code, out, err = (run(client, script, timeout_s=float(props.get("timeoutS", 1800)), env=props.get("env"),
                                   label=label) if script else (0, "", ""))
             if code == 0 and script_key == "destroy":
@@ -154,12 +163,6 @@ class RemoteStepProvider(ResourceProvider):
         if code != 0:
             raise Error(f"{label}: {script_key} failed with exit {code} on {t.where}:\n{reason(out, err)[-OUTPUT_TAIL:]}")
         return out[-OUTPUT_TAIL:]
-
-    @staticmethod
-    def _mark(client, id_: str, digest: str) -> None:
-        code, _, err = run(client, _mark_command(id_, digest))
-        if code:
-            raise Error(f"cannot record the step marker {_marker(id_)}: {err.strip()}")
 
     def _outs(self, props: dict, stdout: str) -> dict:
         return {**props, "stdout": stdout, "appliedDigest": _digest(props)}
@@ -176,11 +179,20 @@ class RemoteStepProvider(ResourceProvider):
         if olds.get("appliedDigest") == _wanted(olds, {**news, "destroy": olds.get("destroy")}):
             # Same host, same content: only the connection or the destroy changed (a rotated SSH
             # key, a moved host) or the step is being adopted into host identities. Record it, apply nothing.
-            if not _gone(news):
-                with shared_session(_target(news)) as client:
-                    self._mark(client, id_, _digest(news))
-            return UpdateResult(outs={**news, "stdout": olds.get("stdout", ""), "appliedDigest": _digest(news)})
+            # A marker still "pending" is a failed update's half on the host: that is applied again.
+            if _gone(news) or self._remark(id_, news):
+                return UpdateResult(outs={**news, "stdout": olds.get("stdout", ""), "appliedDigest": _digest(news)})
         return UpdateResult(outs=self._outs(news, self._exec(id_, news, "apply", update=True)))
+
+    def _remark(self, id_: str, news: dict) -> bool:
+        """Record the step's new digest as applied, unless its marker says a failed update is pending."""
+        m = shlex.quote(_marker(id_))
+        with shared_session(_target(news)) as client:
+            code, out, err = run(client, f'if [ "$(cat {m} 2>/dev/null)" = {PENDING} ]; then echo {PENDING}; '
+                                         f"else {_mark_command(id_, _digest(news))}; fi")
+        if code:
+            raise Error(f"cannot record the step marker {_marker(id_)}: {err.strip()}")
+        return out.strip() != PENDING
 
     @readable_failures
     def delete(self, id_: str, props: dict[str, Any]) -> None:

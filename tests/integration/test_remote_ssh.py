@@ -468,3 +468,34 @@ def test_what_a_first_apply_that_failed_did_is_undone_when_its_host_leaves_the_s
     assert not (sshd.varlib / "fimfleet" / "steps" / "undo").exists()
     assert not (sshd.varlib / "fimfleet" / "host-id").exists()
     assert ok.outs["stdout"].strip() == "fixed"
+
+
+def test_a_destroy_change_after_a_failed_update_applies_the_step_again(sshd):
+    """Recording a changed destroy without applying would have covered the failed update's half
+    (its marker "pending") with a fresh digest, and refresh could not find it any more."""
+    ident = first_contact(sshd)
+    p = remote.RemoteStepProvider()
+    v1 = p.create(step(pinned(sshd, ident), apply="date +%s%N"))
+    with pytest.raises(remote.Error, match="exit 7"):
+        p.update(v1.id, v1.outs, step(pinned(sshd, ident), apply="exit 7"))
+    again = p.update(v1.id, v1.outs, step(pinned(sshd, ident), apply="date +%s%N", destroy="echo gone")).outs
+    assert again["stdout"] != v1.outs["stdout"], "the step was recorded, not applied"
+    assert (sshd.varlib / "fimfleet" / "steps" / v1.id).read_text() == again["appliedDigest"]
+
+
+def test_the_undo_sweep_runs_each_within_its_time_and_a_failing_one_stops_no_other(sshd):
+    ident = first_contact(sshd)
+    p = remote.RemoteStepProvider()
+    for name, destroy, timeout in (("a", "touch /var/lib/fimfleet-test/a-undone", 60), ("b", "sleep 60", 2),
+                                   ("c", "echo broken >&2; exit 4", 60)):
+        with pytest.raises(remote.Error, match="exit 3"):
+            p.create(step(pinned(sshd, ident), apply="mkdir -p /var/lib/fimfleet-test; exit 3", destroy=destroy,
+                          timeoutS=timeout, undoKey=name))
+    (sshd.varlib / "fimfleet" / "steps" / "undo" / "0123.fimfleet-x1y2").write_text("touch /var/lib/fimfleet-test/ran\n")
+    props = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", **ident}
+    t0 = time.monotonic()
+    identity.HostIdentityProvider().delete("id", props)
+    assert time.monotonic() - t0 < 40
+    assert (sshd.varlib / "fimfleet-test" / "a-undone").exists()
+    assert not (sshd.varlib / "fimfleet-test" / "ran").exists()  # an upload's temp file is not run
+    assert not (sshd.varlib / "fimfleet" / "steps" / "undo").exists()

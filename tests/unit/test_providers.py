@@ -45,8 +45,7 @@ def test_rotated_key_is_recorded_without_running_the_step(monkeypatch):
     d = provider.diff("id", olds, news)
     assert d.changes and not d.replaces
     monkeypatch.setattr(provider, "_exec", lambda *a: pytest.fail("apply must not run for a key rotation"))
-    monkeypatch.setattr(provider, "_mark", lambda *a: None)
-    monkeypatch.setattr(remote, "shared_session", _no_session)
+    monkeypatch.setattr(provider, "_remark", lambda *a: True)
     assert provider.update("id", olds, news).outs["connection"]["privateKey"] == "other"
 
 
@@ -57,17 +56,6 @@ def test_a_connection_a_preview_does_not_know_yet_is_an_update(connection):
     olds = applied(props(connection={**CONN, "identity": "a"}))
     d = remote.RemoteStepProvider().diff("id", olds, props(connection=connection))
     assert d.changes and not d.replaces and not d.delete_before_replace
-
-
-class _no_session:
-    def __init__(self, *a, **kw):
-        pass
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def test_a_new_host_identity_applies_the_step_again():
