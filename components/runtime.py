@@ -150,14 +150,17 @@ def render(cfg: StackConfig, node: str) -> RenderedRuntime:
                            launch=launch)
 
 
+def service_paths(node: str, kind: str) -> list[str]:
+    """Where the unit step's files go: the unit, its memory drop-in, the env file (and docker's
+    health check). The one source for service_files and the unit step's check."""
+    return [*unit_paths(node), *([HEALTH_SCRIPT] if kind == "docker" else [])]
+
+
 def service_files(node: str, r: RenderedRuntime) -> list[dict]:
-    unit_file, dropin, env_file = unit_paths(node)
-    files = [{"path": unit_file, "mode": "0644", "content": r.unit_file},
-             {"path": dropin, "mode": "0644", "content": r.cgroup_dropin},
-             {"path": env_file, "mode": "0600", "content": r.env_file}]
+    contents = [("0644", r.unit_file), ("0644", r.cgroup_dropin), ("0600", r.env_file)]
     if r.kind == "docker":
-        files.append({"path": HEALTH_SCRIPT, "mode": "0644", "content": (templates.FILES / "image/health.py").read_text()})
-    return files
+        contents.append(("0644", (templates.FILES / "image/health.py").read_text()))
+    return [{"path": p, "mode": m, "content": c} for p, (m, c) in zip(service_paths(node, r.kind), contents, strict=True)]
 
 
 def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
@@ -180,7 +183,7 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
         # not in the state, and destroy still removes the unit, the model and the venv or image.
         "unit": templates.render("runtime/unit.sh.j2", **kw),
         "unit_check": templates.render("runtime/unit-check.sh.j2",
-                                       files=[f["path"] for f in service_files(node, render(cfg, node))]),
+                                       files=service_paths(node, cfg.runtime.kind)),
         "unit_destroy": templates.render("runtime/unit-destroy.sh.j2", **kw),
         "model_destroy": templates.render("runtime/model-destroy.sh.j2", **kw),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -155,6 +156,16 @@ def test_engine_unit_is_loopback_only_and_hardened():
         assert directive in r.unit_file, directive
     assert "MemorySwapMax=0" in r.cgroup_dropin and "OOMPolicy=kill" in r.cgroup_dropin
     assert "VLLM_CPU_KVCACHE_SPACE=16" in r.env_file
+
+
+@pytest.mark.parametrize("kind", ["systemd", "docker"])
+def test_the_unit_steps_check_names_every_file_the_step_uploads(kind):
+    cfg = cfg_for("cpu-epyc-7b-int8", runtime={"kind": kind})
+    args = runtime.args_for(cfg, "node")
+    uploaded = [f["path"] for f in args.service_files]
+    assert len(uploaded) == (4 if kind == "docker" else 3)
+    listed = next(line for line in args.scripts["unit_check"].splitlines() if line.startswith("for f in "))
+    assert shlex.split(listed[len("for f in "):].split(";")[0]) == uploaded
 
 
 def test_gpu_container_requests_gpus():
