@@ -22,10 +22,11 @@ import pulumi
 from pulumi.dynamic import CreateResult, DiffResult, ReadResult, Resource, ResourceProvider, UpdateResult
 
 from components.errors import Error, readable_failures, warn
-from components.remote import UNDO_DIR, UNDO_NAME
+from components.remote import MARKER_DIR, UNDO_DIR, UNDO_NAME
 from components.ssh import SshTarget, Unreachable, run, session, shared_session
 
-ID_FILE = "/var/lib/fimfleet/host-id"
+STATE_DIR = "/var/lib/fimfleet"
+ID_FILE = f"{STATE_DIR}/host-id"
 SWEEP = f"""# What the creates that never finished left (components/remote.py, UNDO_DIR), newest first;
 # the host leaves the stack, so no later run would undo them. Each within its step's time; one
 # that fails is named and the rest go on. Anything else there (an upload's temp file) just goes.
@@ -42,7 +43,8 @@ if cd {UNDO_DIR} 2>/dev/null; then
   done
   cd / && rmdir {UNDO_DIR} 2>/dev/null || true
 fi
-rm -f {ID_FILE}"""
+rm -f {ID_FILE}
+rmdir {MARKER_DIR} {STATE_DIR} 2>/dev/null || true  # emptied by the steps' destroys; a step left keeps its record"""
 PROBE = f"cat /etc/machine-id 2>/dev/null || echo unknown; cat {ID_FILE} 2>/dev/null || true"
 
 
@@ -65,7 +67,7 @@ class HostIdentityProvider(ResourceProvider):
             machine_id, found = (lines + ["unknown"])[0], (lines[1] if len(lines) > 1 else "")
             identity = found if found and (not keep or found == keep) else uuid.uuid4().hex
             if identity != found:
-                code, _, err = run(client, f"mkdir -p /var/lib/fimfleet && echo {identity} > {ID_FILE}")
+                code, _, err = run(client, f"mkdir -p {STATE_DIR} && echo {identity} > {ID_FILE}")
                 if code:
                     raise Error(f"cannot record fimfleet's host id in {ID_FILE} on {t.where} ({err.strip()[-300:]}): "
                                 "is its disk full or /var/lib read-only? Fix that, then rerun `pulumi up`")

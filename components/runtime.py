@@ -167,7 +167,7 @@ def scripts(cfg: StackConfig, node: str) -> dict[str, str]:
     """Every script the runtime's steps run, rendered exactly as they deploy (tests read these too)."""
     unit = unit_name(node)
     kw = dict(unit=unit, venv=cfg.runtime.venv_path, user=SERVICE_USER, state_dir=STATE_DIR,
-              cache_dir=CACHE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
+              cache_dir=CACHE_DIR, writable_dir=WRITABLE_DIR, kind=cfg.runtime.kind, container=f"vllm-{node}",
               env_file=unit_paths(node)[2], stamp=started_stamp(node), uid=CONTAINER_UID,
               home=HOME_DIR, images=pulled_list(node), health=HEALTH_SCRIPT, docker_config=DOCKER_CONFIG)
     out = {

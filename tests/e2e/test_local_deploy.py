@@ -464,6 +464,8 @@ def test_08_destroy_removes_what_fimfleet_installed(node):
     assert lines[1] == "3", f"fimfleet files left behind: {out}"
     assert lines[2] == "not-found", f"the engine unit is still known to systemd: {out}"
     assert lines[3] == "0", "nginx, installed by fimfleet, was not removed"
+    _, left, _ = node.ssh("find /var/lib/fimfleet /var/cache/fimfleet 2>/dev/null || true")
+    assert not left.strip(), f"fimfleet's state left on the host:\n{left}"
 
 
 def test_08b_destroy_with_the_host_gone_finishes_with_a_warning(node):

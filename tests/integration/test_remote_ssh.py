@@ -467,6 +467,7 @@ def test_what_a_first_apply_that_failed_did_is_undone_when_its_host_leaves_the_s
     assert not (sshd.varlib / "fimfleet-test").exists()
     assert not (sshd.varlib / "fimfleet" / "steps" / "undo").exists()
     assert not (sshd.varlib / "fimfleet" / "host-id").exists()
+    assert (sshd.varlib / "fimfleet" / "steps" / ok.id).exists()  # a step still in the state keeps its record
     assert ok.outs["stdout"].strip() == "fixed"
 
 
@@ -498,4 +499,4 @@ def test_the_undo_sweep_runs_each_within_its_time_and_a_failing_one_stops_no_oth
     assert time.monotonic() - t0 < 40
     assert (sshd.varlib / "fimfleet-test" / "a-undone").exists()
     assert not (sshd.varlib / "fimfleet-test" / "ran").exists()  # an upload's temp file is not run
-    assert not (sshd.varlib / "fimfleet" / "steps" / "undo").exists()
+    assert not (sshd.varlib / "fimfleet").exists()  # no step left on the host: nothing of fimfleet's either

@@ -110,7 +110,8 @@ def hostile_renders(payload: str):
                      **_start_extras(payload))
     every = dict(unit=payload, container=payload, env_file=payload, venv=payload, state_dir=payload, cache_dir=payload,
                  lock_path=payload, files=[payload],
-                 user=payload, stamp=payload, images=payload, health=payload, home=payload, docker_config=payload)
+                 user=payload, stamp=payload, images=payload, health=payload, home=payload, docker_config=payload,
+                 writable_dir=payload)
     for part in ("unit", "unit-check", "unit-destroy", "model-destroy", "venv-destroy", "image-destroy"):
         yield f"runtime-{part}", r(f"runtime/{part}.sh.j2", kind="docker", **every)
     yield "runtime-check", r("runtime/check.sh.j2", unit=payload)

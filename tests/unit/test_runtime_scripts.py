@@ -33,8 +33,9 @@ def destroy_parts(kind: str) -> list[str]:
 
 def run_destroy(tmp: Path, kind: str, venv: Path) -> None:
     env = stubs(tmp, {"systemctl": "exit 0", "docker": "exit 0", "userdel": "exit 0"})
-    kw = {k: str(tmp / k) for k in ("state_dir", "cache_dir", "home", "images", "health", "docker_config", "env_file",
+    kw = {k: str(tmp / k) for k in ("state_dir", "writable_dir", "images", "health", "docker_config", "env_file",
                                     "stamp", "lock_path")}
+    kw.update(cache_dir=f"{kw['writable_dir']}/hf", home=f"{kw['writable_dir']}/home")  # as in runtime.py
     for part in destroy_parts(kind):
         body = templates.render(f"runtime/{part}.sh.j2", unit="vllm-node.service", venv=str(venv), user="fimfleet-test",
                                 kind=kind, container="vllm-node", **kw)
@@ -64,8 +65,8 @@ def test_the_runtimes_destroys_leave_nothing_its_steps_made(tmp_path, kind):
     """The install step's lock file stayed, and the docker runtime's home (compile caches) and health
     script stayed after a switch to the systemd runtime."""
     made = [tmp_path / p for p in ("units/vllm-node.service", "units/vllm-node.service.d/memory.conf", "env_file",
-                                   "stamp", "health", "home/.cache/x", "state_dir/models/m/config.json",
-                                   "cache_dir/hub/x", "images", "docker_config/config.json", "lock_path")]
+                                   "stamp", "health", "writable_dir/home/.cache/x",
+                                   "state_dir/models/m/config.json", "writable_dir/hf/hub/x", "images", "docker_config/config.json", "lock_path")]
     for f in made:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text("x\n")
@@ -74,6 +75,7 @@ def test_the_runtimes_destroys_leave_nothing_its_steps_made(tmp_path, kind):
     left = [str(f.relative_to(tmp_path)) for f in made if f.exists()]
     # the other kind's install step removes its own: the systemd destroy leaves docker's images list
     assert left == (["images", "docker_config/config.json"] if kind == "systemd" else ["lock_path"])
+    assert not (tmp_path / "writable_dir").exists()
 
 
 def test_a_destroy_cut_short_and_an_install_cut_short_leave_nothing_after_the_next_destroy(tmp_path):
