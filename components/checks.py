@@ -14,7 +14,7 @@ from components import grammar, keys, models, sizing, ssh
 from components.cloud_types import CLOUD_PROVIDERS
 from components.config import PORT, Problem, camel
 
-CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)\Z")
+CPU_LIST = re.compile(r"^(auto|nobind|all|\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*)\Z", re.ASCII)
 
 def _have(*values) -> bool:
     """Cross-field checks compare only values that passed their own type check (bad ones are None)."""
@@ -203,7 +203,7 @@ def _cpu_list_problem(binding: str, cpus) -> str | None:
 def check_runtime(runtime, tier, problems, secrets):
     if tier.device == "gpu" and runtime.kind == "systemd":
         problems.append(Problem("runtime.kind", runtime.kind, "GPU tiers run the vllm/vllm-openai container: use docker"))
-    if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", runtime.vllm_version or ""):
+    if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", runtime.vllm_version or "", re.ASCII):
         problems.append(Problem("runtime.vllmVersion", runtime.vllm_version, "must be an exact release like 0.32.0"))
     for k in ("index_url", "wheelhouse_url"):
         _grammar(problems, f"runtime.{camel(k)}", getattr(runtime, k), grammar.url)

@@ -57,7 +57,7 @@ TYPES: dict[str, dict[str, CloudType]] = {
 
 HCLOUD_LOCATIONS = ("fsn1", "nbg1", "hel1", "ash", "hil", "sin")
 DEFAULT_REGION = {"hcloud": "fsn1", "aws": "us-east-1"}
-AWS_REGION = re.compile(r"[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d")
+AWS_REGION = re.compile(r"[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-[0-9]")
 HCLOUD_IMAGE = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
 AMI_ID = re.compile(r"ami-(?:[0-9a-f]{8}|[0-9a-f]{17})")  # the old 8-hex form, or today's 17
 

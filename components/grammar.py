@@ -69,39 +69,62 @@ def hostname(v) -> str | None:
     return "must be a DNS name like code.example.com (letters, digits, - and dots; no scheme, port, path or spaces)"
 
 
-def ip(v) -> bool:
-    if not isinstance(v, str):  # ipaddress takes an int (3232235521) or a bool as an address too
-        return False
+IP_CHARS = re.compile(r"[0-9A-Fa-f:.]{2,45}")
+"""What an IP address is written with: no zone (`fe80::1%eth0`, where anything may follow the %),
+no other script's digits. Checked before ipaddress, which takes both."""
+
+
+def parsed_ip(v) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address `v` spells, or None: the one parse behind every IP rule here."""
+    if not _full(IP_CHARS, v):  # ipaddress also takes an int (3232235521) or a bool as an address
+        return None
     try:
-        ipaddress.ip_address(v)
-        return True
-    except (ValueError, TypeError):
-        return False
+        return ipaddress.ip_address(v)
+    except ValueError:
+        return None
+
+
+def ip(v) -> bool:
+    return parsed_ip(v) is not None
 
 
 def url_host(host: str) -> str:
     """A host as a URL names it: an IPv6 address in brackets (RFC 3986), anything else as it is."""
-    return f"[{ipaddress.ip_address(host)}]" if ip(host) and ipaddress.ip_address(host).version == 6 else host
+    a = parsed_ip(host)
+    return f"[{a}]" if a is not None and a.version == 6 else host
 
 
 def same_host(address) -> str:
-    """One spelling per machine: IP addresses compressed, names in lower case without the root dot
-    (VPS1.example.com., vps1.example.com; 2001:DB8:0:0::1, 2001:db8::1)."""
+    """One spelling per machine: IP addresses compressed (an IPv4-mapped one as IPv4), names in
+    lower case without the root dot (VPS1.example.com., vps1.example.com; 2001:DB8:0:0::1, 2001:db8::1)."""
     if not isinstance(address, str):
         return repr(address)
-    return ipaddress.ip_address(address).compressed if ip(address) else address.lower().rstrip(".")
+    a = parsed_ip(address)
+    if a is None:
+        return address.lower().rstrip(".")
+    return str(getattr(a, "ipv4_mapped", None) or a.compressed)
 
 
 def address(v) -> str | None:
     """An IP address or a DNS name: where SSH connects, and what a certificate names."""
-    return None if ip(v) else (None if hostname(v) is None else
-                               "must be an IP address (203.0.113.10) or a DNS name (vps1.example.com)")
+    a = parsed_ip(v)
+    if a is not None:
+        a = getattr(a, "ipv4_mapped", None) or a
+        if a.is_unspecified or a.is_multicast:
+            return f"names no single machine ({'unspecified' if a.is_unspecified else 'multicast'}); use the host's own address"
+        return None
+    return None if hostname(v) is None else "must be an IP address (203.0.113.10) or a DNS name (vps1.example.com)"
+
+
+CIDR_CHARS = re.compile(r"[0-9A-Fa-f:.]{2,45}/[0-9]{1,3}")
 
 
 def cidr(v, opens: str = "/metrics") -> str | None:
     """A network in canonical form, never the whole internet (`opens`: what it lets in)."""
     if not isinstance(v, str):
         return "must be a CIDR string like 10.0.0.0/8 or 198.51.100.7/32"
+    if not _full(CIDR_CHARS, v):
+        return "must be a CIDR like 10.0.0.0/8 or 2001:db8::/32 (hex digits, : and . , then /length; no zone or spaces)"
     try:
         net = ipaddress.ip_network(v, strict=True)
     except (ValueError, TypeError) as e:

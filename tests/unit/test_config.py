@@ -565,3 +565,67 @@ def test_every_flag_and_variable_fimfleet_renders_is_one_extraArgs_and_env_may_n
         assert {a for a in launch.args if a.startswith("--")} <= set(checks.FLAGS_FIMFLEET_SETS)
         env = {line.split("=", 1)[0] for line in runtime.render(cfg, "node").env_file.splitlines() if "=" in line}
         assert env <= set(checks.ENV_FIMFLEET_SETS), env - set(checks.ENV_FIMFLEET_SETS)
+
+
+# ipaddress takes a zone after % that may hold any character (fe80::1%x; return 200 pwned),
+# and other scripts' digits; neither names a host fimfleet can write into nginx, ssh or a SAN.
+ZONED = ["fe80::1%x; return 200 pwned", "fe80::1%$(id)", "fe80::1%eth0", "fe80::1%a\nb"]
+
+
+@pytest.mark.parametrize("value", [*ZONED, "٢٠٣.٠.١١٣.١٠", "0.0.0.0", "::", "224.0.0.1", "ff02::1", "::ffff:0.0.0.0"])
+def test_an_address_that_names_no_single_reachable_host_is_refused(value):
+    assert grammar.address(value) is not None
+    assert not grammar.ip(value) or value in ("0.0.0.0", "::", "224.0.0.1", "ff02::1", "::ffff:0.0.0.0")
+    keys = [p.key for p in problems_of(raw_config(host={"address": value})[0])]
+    assert "host.address" in keys, keys
+    bastion = {"address": "203.0.113.10", "bastion": {"address": value}}
+    assert "host.bastion.address" in [p.key for p in problems_of(raw_config(host=bastion)[0])]
+
+
+@pytest.mark.parametrize("value", ["fe80::%a;allow all;#/64", "fe80::%eth0/64", "١٠.٠.٠.٠/8", "10.0.0.0/8 ", "10.0.0.0/08x"])
+def test_a_cidr_with_a_zone_or_foreign_digits_is_refused(value):
+    assert grammar.cidr(value) is not None
+    keys = [p.key for p in problems_of(raw_config(ingress={"metricsAllowCidrs": [value]})[0])]
+    assert "ingress.metricsAllowCidrs[0]" in keys, keys
+
+
+def test_two_spellings_of_one_ipv4_host_are_one_host():
+    assert grammar.same_host("::ffff:203.0.113.10") == grammar.same_host("203.0.113.10") == "203.0.113.10"
+    assert grammar.same_host("2001:DB8:0:0::1") == "2001:db8::1"
+    assert grammar.address("::ffff:203.0.113.10") is None and grammar.address("2001:db8::1") is None
+
+
+def test_every_grammar_that_reads_digits_or_words_does_so_in_ascii_only():
+    """\\d, \\w, \\s and \\b match every script's digits and letters: `٠-٣` passed as
+    engine.threadsBind and reached the engine's env file. Each pattern literal in the components
+    and the policy pack that uses them is compiled with re.ASCII (the secret-name detectors
+    fold case in Unicode on purpose: matching more only masks more)."""
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    found, unsafe = 0, []
+    for path in [*root.glob("components/**/*.py"), *root.glob("policy/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "re"
+                    and node.func.attr in ("compile", "fullmatch", "match", "search") and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                continue
+            pattern = node.args[0].value
+            flags = ast.unparse(node.args[-1]) if len(node.args) > (1 if node.func.attr == "compile" else 2) else ""
+            flags += "".join(ast.unparse(k.value) for k in node.keywords if k.arg == "flags")
+            if re.search(r"\\[dwsbDWSB]", pattern):
+                found += 1
+                if "re.ASCII" not in flags and "re.A" not in flags.split("|") and "(?a" not in pattern:
+                    unsafe.append(f"{path.relative_to(root)}:{node.lineno} {pattern[:60]}")
+    assert found >= 3 and not unsafe, unsafe
+
+
+@pytest.mark.parametrize("change,key", [({"engine": {"threadsBind": "٠-٣"}}, "engine.threadsBind"),
+                                        ({"engine": {"threadsBind": "０-３"}}, "engine.threadsBind"),
+                                        ({"runtime": {"kind": "docker", "vllmVersion": "٠.٣٢.٠"}}, "runtime.vllmVersion")])
+def test_other_scripts_digits_are_refused(change, key):
+    raw, secret = raw_config()
+    raw.update(change)
+    assert key in [p.key for p in problems_of(raw, secret)]
