@@ -22,7 +22,8 @@ def _have(*values) -> bool:
 
 
 def _grammar(problems, key, value, check) -> None:
-    if value and (msg := check(value)):
+    """Unset (None or "") is for the caller to require; anything else, 0 and false too, has a grammar."""
+    if value is not None and value != "" and (msg := check(value)):
         problems.append(Problem(key, value, msg))
 
 
@@ -43,6 +44,9 @@ def check_host(host, secrets, problems):
             problems.append(Problem(f"host.cpuFlags[{i}]", flag, "must be a flag as /proc/cpuinfo lists it, "
                                     "in lower case (e.g. avx512f)"))
     _grammar(problems, "host.hostKey", host.host_key, grammar.ssh_public_key)
+    if host.gpu_count and host.gpu_model == "":
+        problems.append(Problem("host.gpuModel", host.gpu_model, "name the host's GPU model (e.g. H100): the preflight "
+                                "checks it against nvidia-smi, and an empty name would pass any GPU"))
     _grammar(problems, "host.testbedState", host.testbed_state, grammar.local_path)
     b = host.bastion
     if b is not None:

@@ -64,7 +64,7 @@ class HostConfig:
     numa_nodes: int = key(check=_range(1, 64))
     cpu_flags: list = key()
     max_steal_percent: float = key(check=_range(0, 100))
-    gpu_model: str = key()
+    gpu_model: str = key(check=grammar.gpu_model)
     gpu_count: int = key(check=_range(0, 16))
     gpu_memory_gib: int = key(check=_range(0, 1024))
     region: str = key(default="")
@@ -164,7 +164,8 @@ class SlaConfig:
     ttft_p50_ms: float = key(check=_range(0.001, 10**6))
     ttft_p95_ms: float = key(check=_range(0.001, 10**6))
     ttft_p99_ms: float = key(check=_range(0.001, 10**6))
-    min_decode_tokens_per_s: float = key(check=_range(0, 10**6))
+    min_decode_tokens_per_s: float = key(check=lambda v: None if v == 0 or 0.01 <= v <= 10**6 else
+                                         "must be 0 (not checked) or a rate between 0.01 and 1000000 tokens/s")
     min_decode_ceiling_fraction: float = key(check=lambda v: None if 0 < v <= 1 else "must be a fraction in (0, 1], e.g. 0.7")
     """The median decode rate as a fraction of the node's decode ceiling (systemd runtime only:
     its bandwidth probe measures the ceiling). Unset: not checked."""
@@ -337,6 +338,8 @@ def _parse_section(name, cls, raw, defaults, problems):
         if want and not (isinstance(v, want) and not (want in (int, float) and isinstance(v, bool))):
             problems.append(Problem(f"{name}.{ck}", v, grammar.wrong_type(want, v)))
             continue
+        # kept: the key's own grammar, here or in checks.py, names the better fix (_text_only)
+        problems.extend(Problem(f"{name}.{ck}{where}", s, fix) for where, s, fix in grammar.text(v))
         md = f.metadata
         if "choices" in md and v not in md["choices"]:
             problems.append(Problem(f"{name}.{ck}", v, f"must be one of: {', '.join(md['choices'])}"))
@@ -406,16 +409,27 @@ def _parse(raw: dict[str, Any], secret_keys: frozenset[str]) -> StackConfig:
     checks.check_sla_fits_the_ingress(sla, ingress, problems, len(nodes) if sec["gateway"].host else 1)
     checks.check_sla_ceiling(sla, runtime, model, model_spec, problems)
 
-    if problems:
-        raise ConfigError(problems)
+    texts = [p for p in problems if p.fix == grammar.TEXT_FIX]  # reported last (_text_only)
+    if len(problems) > len(texts):
+        raise ConfigError(_text_only(problems))
     cfg = StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=first.memory, host=first.host,
                       nodes=nodes, gateway_host=gw_host, **sec)
+    found = []
     if cfg.monitoring.enabled:
         from components import monitoring  # monitoring reads this module's types: import it late
 
-        if found := monitoring.problems(monitoring.args_for(cfg, "node")):
-            raise ConfigError(found)
+        found = monitoring.problems(monitoring.args_for(cfg, "node"))
+    if found or texts:
+        raise ConfigError(_text_only(found + texts))
     return cfg
+
+
+def _text_only(problems: list[Problem]) -> list[Problem]:
+    """The text rule's problem (grammar.text) only for a key no grammar of its own reported."""
+    named = {p.key for p in problems if p.fix != grammar.TEXT_FIX}
+    return [p for p in problems if p.fix != grammar.TEXT_FIX
+            or not any(k == p.key or p.key.startswith((k + ".", k + "[")) or k.startswith((p.key + ".", p.key + "["))
+                       for k in named)]
 
 
 def _parse_node(name, entry, named, raw_host, host_defaults, tier, model_spec, sec, secrets, problems) -> NodeConfig:

@@ -45,6 +45,9 @@ API_KEY = re.compile(r"(?=.{24,512}\Z)[A-Za-z0-9._~+/-]+=*")
 """RFC 6750 b64token ('=' only as padding at the end), 24-512 characters: nothing in it needs
 quoting in nginx, and only '.' and '+' are special in a regex."""
 NO_CONTROL = re.compile(r"[^\x00-\x1f\x7f]*")
+TEXT = re.compile("[^\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]{0,4096}")
+"""Any config string, before its own grammar: one line (no control character, C1 code, Unicode
+line or paragraph separator) of encodable text (no lone surrogate), 4096 characters at most."""
 SSH_PUBLIC_KEY = re.compile(r"(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa|rsa-sha2-(256|512)) [A-Za-z0-9+/]+={0,3}( [^\x00-\x1f\x7f]*)?")
 
 THP_NAMES = re.compile(r".*(transparent_hugepage|khugepaged|(^|[._])thp([._]|$)).*")
@@ -61,6 +64,38 @@ def known_sysctls() -> frozenset[str]:
 
 def _full(pattern: re.Pattern, value) -> bool:
     return isinstance(value, str) and pattern.fullmatch(value) is not None
+
+
+GPU_MODEL = re.compile(r"(?=.{1,32}\Z)[A-Za-z0-9]+(?:[ ._-][A-Za-z0-9]+)*")
+
+
+def gpu_model(v) -> str | None:
+    """A GPU model as nvidia-smi's name holds it (H100, L40S, RTX 6000 Ada); "" on a CPU host.
+    The preflight matches its words against the GPU's name: a name with no word matched any GPU."""
+    return None if v == "" or _full(GPU_MODEL, v) else \
+        "must be a GPU model of words of letters and digits, like H100, L40S or RTX 6000 Ada (32 characters at most)"
+
+
+TEXT_FIX = ("must be printable text on one line, at most 4096 characters (no control characters, line breaks "
+            "or unpaired surrogates)")
+
+
+def text(v) -> list[tuple[str, str, str]]:
+    """The rule for every string a section holds, in its lists and maps too, beneath its own
+    grammar (config._parse_section): (key suffix, the string, the fix) for each that breaks it."""
+    return [(where, s, TEXT_FIX) for where, s in _strings(v, "") if not _full(TEXT, s)]
+
+
+def _strings(v, where: str):
+    if isinstance(v, str):
+        yield where, v
+    elif isinstance(v, (list, tuple)):
+        for i, item in enumerate(v):
+            yield from _strings(item, f"{where}[{i}]")
+    elif isinstance(v, dict):
+        for k, item in v.items():
+            yield from _strings(k, f"{where}.{k}")
+            yield from _strings(item, f"{where}.{k}")
 
 
 def hostname(v) -> str | None:
@@ -260,13 +295,39 @@ def sysctl_value(v) -> str | None:
     return "must be a number or words of letters, digits and ._:,/+- separated by single spaces"
 
 
+def _url_authority(v: str) -> str | None:
+    """The host and port of a URL its pattern matched: a host `address` takes, a port 1-65535."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(v)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port is not None and not 1 <= port <= 65535:
+        return "its port must be between 1 and 65535"
+    host = parts.hostname or ""
+    if address(host) is not None:
+        return f"its host {host!r} must be a DNS name or an IP address"
+    return None
+
+
+def _url(pattern: re.Pattern, v, fix: str) -> str | None:
+    if not _full(pattern, v):
+        return fix
+    msg = _url_authority(v)
+    return None if msg is None else f"{fix}; {msg}"
+
+
 def url(v) -> str | None:
-    return None if _full(URL, v) else "must be an http(s) URL like https://pypi.example.com/simple (no spaces or quotes)"
+    fix = "must be an http(s) URL like https://pypi.example.com/simple (no spaces or quotes)"
+    return _url(URL, v, fix)
 
 
 def webhook_url(v) -> str | None:
-    return None if _full(WEBHOOK_URL, v) else ("must be an http(s) URL like https://hooks.example.com/services/T0/B0/x?token=y "
-                                              "('%' only before two hex digits; no spaces, quotes, backslashes or '#')")
+    fix = ("must be an http(s) URL like https://hooks.example.com/services/T0/B0/x?token=y "
+           "('%' only before two hex digits; no spaces, quotes, backslashes or '#')")
+    return _url(WEBHOOK_URL, v, fix)
 
 
 def served_name(v) -> str | None:

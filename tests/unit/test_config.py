@@ -629,3 +629,66 @@ def test_other_scripts_digits_are_refused(change, key):
     raw, secret = raw_config()
     raw.update(change)
     assert key in [p.key for p in problems_of(raw, secret)]
+
+
+@pytest.mark.parametrize("rate", [1e-320, 1e-300, 0.001, -1, float("nan"), float("inf")])
+def test_a_decode_rate_too_small_to_mean_anything_is_one_clear_error(rate):
+    """1e-320 tokens/s passed, and the editor config's modelTimeout (max_tokens / rate) overflowed
+    to infinity: a traceback inside the program; 1e-300 wrote a 300-digit timeout."""
+    raw, secret = raw_config(sla={"minDecodeTokensPerS": rate})
+    assert "sla.minDecodeTokensPerS" in [p.key for p in problems_of(raw, secret)]
+    assert parse(sla={"minDecodeTokensPerS": 0}).sla.min_decode_tokens_per_s == 0
+    assert parse(sla={"minDecodeTokensPerS": 0.01}).sla.min_decode_tokens_per_s == 0.01
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"monitor": {"probeKeyRotation": "a\x00b"}}, "monitor.probeKeyRotation"),
+    ({"monitor": {"probeKeyRotation": "\ud800"}}, "monitor.probeKeyRotation"),
+    ({"monitor": {"probeKeyRotation": "x" * 4097}}, "monitor.probeKeyRotation"),
+    ({"monitor": {"probeKeyRotation": "$(id)\n"}}, "monitor.probeKeyRotation"),
+    ({"monitor": {"probeKeyRotation": "a\u2028b"}}, "monitor.probeKeyRotation"),
+    ({"host": {"address": "203.0.113.10", "cpuFlags": ["avx2", "a\x85"]}}, "host.cpuFlags[1]"),
+    ({"engine": {"env": {"FOO\u2029": "x"}}}, "engine.env.FOO\u2029"),
+    ({"host": {"address": "203.0.113.10", "gpuModel": "H100\x00"}}, "host.gpuModel"),
+])
+def test_no_config_string_holds_a_control_character_a_line_break_or_a_lone_surrogate(change, key):
+    """Free-text keys (monitor.probeKeyRotation) took anything: a NUL, a newline, a lone surrogate
+    that failed the program's registration with a traceback. Every string a section holds, in its
+    lists and maps too, is one line of printable text first, then its own grammar."""
+    raw, secret = raw_config()
+    raw.update(change)
+    problems = problems_of(raw, secret)
+    assert key in [p.key for p in problems], [str(p) for p in problems]
+    assert parse(monitor={"probeKeyRotation": "2026-12 rotation, ünïcode ok"}).monitor.probe_key_rotation
+
+
+@pytest.mark.parametrize("model", ["", " ", "H100; x", "H" * 33, "H100 "])
+def test_a_gpu_tier_needs_a_gpu_model_with_words(model):
+    """An empty or blank host.gpuModel on a GPU tier had no word for the preflight to match, so
+    any GPU passed its model check."""
+    raw, secret = raw_config("gpu-h100", host={"address": "203.0.113.10", "gpuModel": model})
+    assert "host.gpuModel" in [p.key for p in problems_of(raw, secret)]
+    assert parse(tier="gpu-h100", host={"address": "203.0.113.10", "gpuModel": "RTX 6000 Ada"}).host.gpu_model
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"runtime": {"indexUrl": "http://x:99999/simple"}}, "runtime.indexUrl"),
+    ({"runtime": {"indexUrl": "http://-/"}}, "runtime.indexUrl"),
+    ({"runtime": {"indexUrl": "http://..../"}}, "runtime.indexUrl"),
+    ({"monitoring": {"alertmanagerWebhookUrl": "http://x:99999/"}}, "monitoring.alertmanagerWebhookUrl"),
+    ({"monitoring": {"alertmanagerWebhookUrl": "http://[::1]:0/a"}}, "monitoring.alertmanagerWebhookUrl"),
+    ({"monitoring": {"alertmanagerWebhookUrl": "http://a..b/"}}, "monitoring.alertmanagerWebhookUrl"),
+])
+def test_a_url_whose_port_or_host_cannot_be_is_refused_at_preview(change, key):
+    """pip on the host, or Alertmanager at send time (alerts silently lost), failed on these."""
+    raw, secret = raw_config()
+    raw.update(change)
+    assert key in [p.key for p in problems_of(raw, secret)]
+
+
+@pytest.mark.parametrize("bastion,key", [({"address": "198.51.100.1", "user": 0.0}, "host.bastion.user"),
+                                         ({"address": "198.51.100.1", "hostKey": False}, "host.bastion.hostKey"),
+                                         ({"address": 0}, "host.bastion.address")])
+def test_a_falsy_value_of_the_wrong_type_is_not_taken_for_unset(bastion, key):
+    raw, secret = raw_config(host={"address": "203.0.113.10", "bastion": bastion})
+    assert key in [p.key for p in problems_of(raw, secret)]
