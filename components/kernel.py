@@ -109,6 +109,7 @@ def render(args: KernelArgs) -> RenderedKernel:
          "content": templates.render("kernel/tuning-apply.sh.j2", sysfs=sysfs, debugfs=debugfs)},
         {"path": MODULES_PATH, "mode": "0644", "content": "".join(m + "\n" for m in MODULES)},
     ]
+    # installed[0] is the sysctl file: the apply tries its values live before it installs any
     installs = [{"name": f"{i}-{f['path'].rsplit('/', 1)[-1]}", "dest": f["path"], "mode": f["mode"]}
                 for i, f in enumerate(installed)]
     files = [{"path": f"{STAGED_DIR}/{i['name']}", "mode": "0600", "content": f["content"]}
@@ -117,7 +118,7 @@ def render(args: KernelArgs) -> RenderedKernel:
         installed=installed,
         files=files,
         apply=templates.render("kernel/apply.sh.j2", sysctl=sysctl, sysfs={**sysfs, **debugfs}, modules=MODULES,
-                               verify=verify, installs=installs, **paths),
+                               verify=verify, installs=installs, sysctl_staged=installs[0]["name"], **paths),
         check=verify,
         destroy=templates.render("kernel/destroy.sh.j2", **paths),
         sysctl=sysctl,

@@ -177,3 +177,48 @@ def test_an_apply_rewrites_only_the_files_that_differ(tmp_path):
     unit.write_text("changed by hand\n")
     subprocess.run(run, check=True, timeout=30)
     assert unit.stat().st_mtime > 1 and "changed by hand" not in unit.read_text()
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_value_the_kernel_refuses_puts_back_what_was_live_and_installs_nothing(tmp_path, earlier):
+    """vm.swappiness: -1 passes the value grammar, and the kernel's own range refuses it. The file
+    went in place first, so `sysctl -p` failed half-way, the host kept the values before it, and
+    every boot read the file again. The values are now tried live first: a refusal puts back the
+    values before (the earlier apply's file, or the recorded defaults) and installs no file."""
+    r = kernel.render(kernel.KernelArgs(sysctl_overrides={"vm.swappiness": "-1"}))
+    root = tmp_path / "root"
+
+    def moved(text: str) -> str:
+        return re.sub(r"(?<![\w.-])/(etc|var|usr)/", lambda m: f"{root}/{m.group(1)}/", text)
+
+    for f in r.files:
+        path = Path(moved(f["path"]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f["content"])
+    sysctl_file = Path(moved(kernel.SYSCTL_PATH))
+    if earlier:
+        sysctl_file.parent.mkdir(parents=True, exist_ok=True)
+        sysctl_file.write_text("vm.swappiness = 10\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "sysctl").write_text(f'#!/bin/bash\necho "sysctl $*" >> {tmp_path}/calls\n'
+                                 'if [ "$2" = -p ] && grep -q "= -1$" "$3"; then\n'
+                                 '  echo "sysctl: setting key \\"vm.swappiness\\": Invalid argument" >&2; exit 255\nfi\n')
+    for tool in ("modprobe", "systemctl"):
+        (bin_ / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {tmp_path}/calls\n")
+    for tool in bin_.iterdir():
+        tool.chmod(0o755)
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", moved(r.apply)], capture_output=True, text=True,
+                          env={"PATH": f"{bin_}:/usr/bin:/bin"}, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    assert 'the kernel refused a value of fimfleet:kernel.sysctl (sysctl: setting key "vm.swappiness": Invalid argument)' \
+        in proc.stderr, proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    live = Path("/proc/sys/vm/swappiness").read_text().strip()
+    if earlier:
+        assert calls[-1] == f"sysctl -q -p {sysctl_file}", calls
+    else:  # every recorded default, the one refused too
+        assert f"sysctl -q -w vm.swappiness={live}" in calls, calls
+    assert sysctl_file.read_text() == "vm.swappiness = 10\n" if earlier else not sysctl_file.exists()
+    assert not [f["path"] for f in r.installed[1:] if Path(moved(f["path"])).exists()]
+    assert not Path(moved(kernel.STAGED_DIR)).exists()
