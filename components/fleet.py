@@ -174,7 +174,7 @@ class Fleet(pulumi.ComponentResource):
                 # Back into rotation once the node's own SLA check passed (its monitor, with the gate off).
                 enable_step = gateway_shape.member_step(node_name, True, gw, gw_base.connection,
                                                         gw_base.nginx_settings, trigger, self,
-                                                        after=[svc.sla or svc.monitor.step])
+                                                        after=[svc.sla or svc.monitor.step], drain=drain)
                 self.nodes[node_name], self.enables[node_name] = svc, enable_step
                 enables.append(enable_step)
             canary_gate, wave_gate = canary_gate or enables, enables

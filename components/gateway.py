@@ -84,14 +84,18 @@ def member(name: str, node_host, gateway_host: str, https_port: int) -> Member:
 
 
 def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.Input[dict], nginx: NginxBase,
-                trigger: str, parent: pulumi.Resource, after: pulumi.Input[list]) -> RemoteStep:
+                trigger: str, parent: pulumi.Resource, after: pulumi.Input[list],
+                drain: RemoteStep | None = None) -> RemoteStep:
     """Node `node`'s drain (before its engine changes) or enable (after its SLA check) on the
     gateway host. Both run only when `trigger` changes, so an unchanged node is never drained,
-    and a node whose check failed stays drained until a later `up` passes it."""
+    and a node whose check failed stays drained until a later `up` passes it. An enable also
+    runs after every run of its `drain` (whose output names the run): a drain's script or a
+    config rolled back after a failed check drains again, and the stored enable saw no change."""
     paths = args.ingress.fleet.paths
     action = "enable" if enabled else "drain"
     return RemoteStep(
-        f"{node}-{action}", label=f"gateway: {action} {node}", connection=connection, triggers=[trigger],
+        f"{node}-{action}", label=f"gateway: {action} {node}", connection=connection,
+        triggers=[trigger, drain.stdout] if drain is not None else [trigger],
         apply=member_script(node, enabled, nginx, paths, args.drain_timeout_s),
         check=member_check(node, paths) if enabled else None,
         # a node that leaves the fleet leaves the rotation first

@@ -65,6 +65,9 @@ def test_a_roll_drains_checks_and_enables_each_node_wave_after_wave(recorder):
         # the canary's engine waits for its drain; its enable for its own SLA check
         assert "n1-drain" in deps(t, "n1-runtime", "fimfleet:runtime:VllmRuntime")
         assert "n1-sla" in deps(t, "n1-enable")
+        # and every run of its drain (the drain's output is in its trigger): a drain whose script
+        # alone changed, or a config rolled back after a failed check, left the node drained
+        assert all(f"{n}-drain" in deps(t, f"{n}-enable") for n in NODES)
         # the second wave (n2, n3 together) waits for the canary's enable, not for each other
         for n in ("n2", "n3"):
             assert gates[(n, "drain")] == gates[(n, "node")] == gates[(n, "host")] == {"n1-enable"}, gates
