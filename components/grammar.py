@@ -290,9 +290,13 @@ def sysctl_value(v) -> str | None:
     if isinstance(v, float):
         return "must be a whole number (the kernel takes no decimals), or words like `4096 87380 16777216`"
     s = str(v) if isinstance(v, int) and not isinstance(v, bool) else v
-    if _full(SYSCTL_VALUE, s):
-        return None
-    return "must be a number or words of letters, digits and ._:,/+- separated by single spaces"
+    if not _full(SYSCTL_VALUE, s):
+        return "must be a number or words of letters, digits and ._:,/+- separated by single spaces"
+    # The kernel's widest integers (long, unsigned long): a number past them is no value of any
+    # sysctl. Each sysctl's own range is the kernel's to check (the apply tries the values first).
+    if any(re.fullmatch(r"[+-]?[0-9]+", w) and not -2**63 <= int(w) < 2**64 for w in s.split()):
+        return "holds a number past the kernel's 64-bit range; use the value the sysctl takes (`sysctl NAME` shows it)"
+    return None
 
 
 def _url_authority(v: str) -> str | None:
@@ -391,6 +395,10 @@ def wrong_type(want: type, v) -> str:
     """The fix for a value of the wrong type. `pulumi config set --path` stores only integers,
     true and false as such, so a decimal typed that way arrives as text: say how to set it."""
     fix = f"must be {TYPE_WORDS.get(want, want.__name__)}"
+    if want is list:
+        return fix + ", e.g. [a, b] in the stack file, or set each item with `pulumi config set --path 'KEY[0]' a`"
+    if want is dict:
+        return fix + ", e.g. {NAME: value} in the stack file, or set each entry with `pulumi config set --path KEY.NAME value`"
     if want in (int, float) and isinstance(v, str):
         try:
             want(v.strip())

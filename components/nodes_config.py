@@ -144,6 +144,9 @@ def check_gateway(gw, ingress, hosts: dict, own, problems: list[Problem]) -> Non
     """The gateway runs beside a node or on its own SSH host, and connects to every node's
     ingress by its address."""
     if not gw.host:
+        if gw.host_key:
+            problems.append(Problem("gateway.hostKey", gw.host_key, "is for a gateway on its own machine, and "
+                                    "gateway.host is unset (no gateway): remove it, or set gateway.host"))
         return
     if ingress.tls != "self-signed":
         problems.append(Problem("ingress.tls", ingress.tls, "behind a gateway each node serves fimfleet's self-signed "

