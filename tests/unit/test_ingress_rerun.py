@@ -420,3 +420,31 @@ def test_certbot_leaves_with_a_node_that_no_longer_uses_acme(tmp_path):
     assert host.run(acme["apply"]).returncode == 0
     assert host.run(self_signed["destroy"]).returncode == 0
     assert host.dpkg.read_text().split() == []
+
+
+def test_a_rejected_gateway_site_leaves_the_servers_file_its_restored_generator_writes(tmp_path):
+    """The new generator wrote the servers file for its own members before nginx refused the new
+    site; the site and generator went back, the servers file did not: an added node got a server
+    line with no member listener, sent traffic at the next reload of any site on that host."""
+    from components import fleet as fleet_shape
+
+    def gateway_step(nodes: dict, bad: bool = False):
+        raw, secret = raw_config(nodes=nodes, gateway={"host": "n1"}, ingress={"httpsPort": 8443, "httpPort": 8080})
+        args = fleet_shape.args_for(config.parse(raw, secret)).gateway.ingress
+        staged, installs = ingress.render_files(args, "code.example.com", "CERT", "KEY")
+        if bad:
+            staged = [dict(f, content=f["content"] + "BAD;\n") if f["path"].endswith(".conf") else f for f in staged]
+        root = tmp_path / "before" / "root"  # site_applied's: the generator writes under it too
+        staged = [dict(f, content=ROOTED.sub(lambda m: f"{root}{m.group(1)}", f["content"])) for f in staged]
+        return staged, ingress.step_scripts(args, installs, "code.example.com"), args.fleet.paths.servers
+
+    two = {"n1": {"address": "203.0.113.10"}, "n2": {"address": "203.0.113.11"}}
+    v1_files, v1, servers = gateway_step(two)
+    host = site_applied(tmp_path, v1_files, v1)
+    accepted = host.read(servers)
+    assert accepted and accepted.count("server ") == 2, accepted
+    bad_files, bad, _ = gateway_step({**two, "n3": {"address": "203.0.113.12"}}, bad=True)
+    host.stage(bad_files)
+    proc = host.run(bad["apply"])
+    assert proc.returncode == 1 and "nginx rejected the new config" in proc.stderr, proc.stderr
+    assert host.read(servers) == accepted
