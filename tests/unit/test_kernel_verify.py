@@ -122,21 +122,28 @@ def test_defaults_are_recorded_per_name_once_so_a_key_added_later_is_restored_to
     assert not (tmp_path / "defaults.tmp").exists()
 
 
+def staged(tmp_path: Path, r: kernel.RenderedKernel):
+    """The step's files as RemoteStep uploads them before the apply, under tmp_path/root; returns
+    the rewrite of every path the step writes to there (/proc/sys stays this machine's, read only)."""
+    root = tmp_path / "root"
+
+    def moved(text: str) -> str:
+        return re.sub(r"(?<![\w.-])/(etc|var|usr)/", lambda m: f"{root}/{m.group(1)}/", text)
+
+    for f in r.files:
+        path = Path(moved(f["path"]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f["content"])
+    return moved
+
+
 def test_a_first_apply_the_host_refuses_leaves_nothing_for_the_next_boot(tmp_path):
     """The step's files were uploaded in place before the apply's checks ran: a sysctl this kernel
     lacks failed the step, which is then not in the state, and its sysctl.d, limits.d and
     modules-load.d files applied at the next boot, with no destroy to remove them. They are staged
     now, and installed only after the checks; destroy removes the staged copies too."""
     r = kernel.render(kernel.KernelArgs(sysctl_overrides={"no.such.key": "1"}))
-    root = tmp_path / "root"
-
-    def moved(text: str) -> str:  # every path the step writes, under tmp (/proc/sys stays this machine's, read only)
-        return re.sub(r"(?<![\w.-])/(etc|var|usr)/", lambda m: f"{root}/{m.group(1)}/", text)
-
-    for f in r.files:  # what RemoteStep uploads before the apply
-        path = Path(moved(f["path"]))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f["content"])
+    moved = staged(tmp_path, r)
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     for tool in ("sysctl", "modprobe", "systemctl"):
@@ -155,15 +162,7 @@ def test_an_apply_rewrites_only_the_files_that_differ(tmp_path):
     """install(1) rewrote every file on each apply: the unit's new mtime made systemd want a
     daemon-reload (several seconds emulated) on every run."""
     r = kernel.render(kernel.KernelArgs())
-    root = tmp_path / "root"
-
-    def moved(text: str) -> str:
-        return re.sub(r"(?<![\w.-])/(etc|var|usr)/", lambda m: f"{root}/{m.group(1)}/", text)
-
-    for f in r.files:
-        path = Path(moved(f["path"]))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f["content"])
+    moved = staged(tmp_path, r)
     lines = moved(r.apply).splitlines()
     body = "\n".join(lines[lines.index("# Only a file that differs is written: a new mtime on the unit would cost a daemon-reload."):]
                      ).split("sysctl -q -p")[0]
@@ -186,15 +185,7 @@ def test_a_value_the_kernel_refuses_puts_back_what_was_live_and_installs_nothing
     every boot read the file again. The values are now tried live first: a refusal puts back the
     values before (the earlier apply's file, or the recorded defaults) and installs no file."""
     r = kernel.render(kernel.KernelArgs(sysctl_overrides={"vm.swappiness": "-1"}))
-    root = tmp_path / "root"
-
-    def moved(text: str) -> str:
-        return re.sub(r"(?<![\w.-])/(etc|var|usr)/", lambda m: f"{root}/{m.group(1)}/", text)
-
-    for f in r.files:
-        path = Path(moved(f["path"]))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f["content"])
+    moved = staged(tmp_path, r)
     sysctl_file = Path(moved(kernel.SYSCTL_PATH))
     if earlier:
         sysctl_file.parent.mkdir(parents=True, exist_ok=True)
