@@ -172,9 +172,11 @@ class Fleet(pulumi.ComponentResource):
                                   opts=pulumi.ResourceOptions(parent=self,
                                                               depends_on=self._gate(node_name, "node", gate)))
                 # Back into rotation once the node's own SLA check passed (its monitor, with the gate off).
+                # Its destroy (a drain) goes before the gateway host's nginx step: beside it, it could
+                # make that step's lock and rotation directories again after their destroy.
                 enable_step = gateway_shape.member_step(node_name, True, gw, gw_base.connection,
                                                         gw_base.nginx_settings, trigger, self,
-                                                        after=[svc.sla or svc.monitor.step], drain=drain)
+                                                        after=[svc.sla or svc.monitor.step, gw_base.nginx], drain=drain)
                 self.nodes[node_name], self.enables[node_name] = svc, enable_step
                 enables.append(enable_step)
             canary_gate, wave_gate = canary_gate or enables, enables

@@ -68,6 +68,8 @@ def test_a_roll_drains_checks_and_enables_each_node_wave_after_wave(recorder):
         # and every run of its drain (the drain's output is in its trigger): a drain whose script
         # alone changed, or a config rolled back after a failed check, left the node drained
         assert all(f"{n}-drain" in deps(t, f"{n}-enable") for n in NODES)
+        # and, for destroy, after the gateway host's nginx step (whose lock its drain takes)
+        assert all("n1-nginx" in deps(t, f"{n}-enable") for n in NODES)
         # the second wave (n2, n3 together) waits for the canary's enable, not for each other
         for n in ("n2", "n3"):
             assert gates[(n, "drain")] == gates[(n, "node")] == gates[(n, "host")] == {"n1-enable"}, gates
