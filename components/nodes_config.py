@@ -33,7 +33,7 @@ def entries(raw_nodes, raw_host, problems: list[Problem]) -> dict[str, dict] | N
         return None
     host = raw_host if isinstance(raw_host, dict) else {}
     for k in OWN_KEYS:
-        if host.get(k):
+        if host.get(k) not in (None, ""):  # 0 or false is set, and refused as any value
             problems.append(Problem(f"host.{k}", host[k], f"names one machine: with fimfleet:nodes set it per node, "
                                     f"as nodes.{next(iter(raw_nodes))}.{k}"))
     out: dict[str, dict] = {}

@@ -114,3 +114,13 @@ def test_a_cloud_node_takes_its_address_from_the_instance_it_gets():
                             ingress={"allowSelfSigned": True})
     found = problems(raw, secret)
     assert "nodes.a.address" in found and "creates the instance" in found["nodes.a.address"].fix, found
+
+
+@pytest.mark.parametrize("value", [0.0, 0, False])
+def test_a_falsy_stack_wide_address_beside_nodes_is_refused_not_dropped(value):
+    """With fimfleet:nodes, host.address names no node: any value set there is refused, a falsy
+    one too (it was silently dropped)."""
+    raw, secret = raw_config(nodes={"a": {"address": "203.0.113.10"}}, host={"address": value})
+    with pytest.raises(config.ConfigError) as err:
+        config.parse(raw, secret)
+    assert "host.address" in [p.key for p in err.value.problems]
