@@ -427,12 +427,14 @@ def test_07f_a_host_wiped_under_the_same_address_is_found_by_refresh(node):
 def test_07g_a_certificate_near_its_end_is_reissued_by_up(node):
     """A short validity (29 days, under the 30-day renewal window; set by test_07f before its up)
     makes the certificate reissue as soon as it outlives the setting, and every later preview
-    plans it again."""
+    plans it again. A reissue keeps the CA that the editors pin: the next one, still under the
+    window, serves a new certificate that the same caPem verifies. (The stack came from an older
+    program, whose state kept no CA key: test_07f's reissue made the CA that is kept from then.)"""
     try:
         proc = node.wiped_up
         assert proc is not None, "test_07f did not get to its up"
         assert proc.returncode == 0, shown(proc)
-        assert re.search(r"node-ingress-cert +replaced", proc.stdout), shown(proc)
+        assert re.search(r"node-ingress-cert +updated", proc.stdout), shown(proc)
         short = _served_not_after(node)
         left = short - dt.datetime.now(dt.timezone.utc)
         assert short < node.served_before and dt.timedelta(days=28) < left <= dt.timedelta(days=29), \
@@ -441,7 +443,13 @@ def test_07g_a_certificate_near_its_end_is_reissued_by_up(node):
         preview = node.pulumi("preview", "--json")
         assert preview.returncode == 0, preview.stdout[-4000:] + preview.stderr[-2000:]
         ops = {st["urn"].rsplit("::", 1)[-1]: st["op"] for st in json.loads(preview.stdout).get("steps", [])}
-        assert ops.get("node-ingress-cert") == "replace", ops  # 29 days left: under the renewal window
+        assert ops.get("node-ingress-cert") == "update", ops  # 29 days left: under the renewal window
+        pinned = node.outputs()["caPem"]
+        again = node.pulumi("up", "--yes", "--skip-preview")
+        assert again.returncode == 0 and re.search(r"node-ingress-cert +updated", again.stdout), shown(again)
+        assert _served_not_after(node) > short  # a new certificate is served ...
+        assert node.outputs()["caPem"] == pinned  # ... under the CA the editors pinned
+        one_completion(node)
     finally:
         node.pulumi("config", "rm", "--path", "fimfleet:ingress.certValidityDays")
 

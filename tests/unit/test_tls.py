@@ -36,6 +36,11 @@ def state(**outs) -> dict:
     return {**NAMES, "validityDays": tls.MAX_VALIDITY_DAYS, **outs}
 
 
+def reissued(d) -> bool:
+    """A reissue is an update, never a replace: it keeps the CA in the state (tls.update)."""
+    return bool(d.changes) and not d.replaces
+
+
 def diff(olds: dict, **news):
     return tls.SelfSignedProvider().diff("id", olds, {**NAMES, "validityDays": tls.MAX_VALIDITY_DAYS, **news})
 
@@ -66,7 +71,7 @@ def test_fresh_certificate_is_kept():
 def test_near_expiry_certificate_is_reissued():
     near = tls.issue("code.example.com", ["code.example.com"], [], days=tls.RENEW_BEFORE_DAYS - 1)
     d = diff(state(**near))
-    assert d.changes and d.replaces == ["notAfter"] and d.delete_before_replace is False
+    assert reissued(d) and d.delete_before_replace is False
 
 
 @pytest.mark.parametrize("left, reissue", [(dt.timedelta(days=31), False), (dt.timedelta(days=30, hours=1), False),
@@ -90,31 +95,31 @@ def test_long_lived_certificate_from_an_older_release_is_reissued():
     # fimfleet used to issue 825-day certificates; Mozilla intermediate allows < 366
     pem = cert_pem(NOW - dt.timedelta(days=10), NOW + dt.timedelta(days=815))
     d = diff(state(certPem=pem))
-    assert d.changes and d.replaces == ["notAfter"]
+    assert reissued(d)
     assert "825 days" in tls.reissue_reason(pem, 365, now=NOW)
 
 
 def test_shorter_configured_validity_reissues_a_longer_certificate():
     olds = state(**tls.issue("code.example.com", ["code.example.com"], [], days=200))
     assert not diff(olds, validityDays=200).changes
-    assert diff(olds, validityDays=90).replaces == ["notAfter"]
+    assert reissued(diff(olds, validityDays=90))
 
 
-def test_name_change_replaces_by_name_not_by_date():
+def test_name_change_reissues_by_name_not_by_date():
     d = diff(state(**tls.issue("code.example.com", ["code.example.com"], [])), dnsNames=["other.example.com"])
-    assert d.replaces == ["dnsNames"]
+    assert reissued(d)
 
 
 @pytest.mark.parametrize("cert", [None, "", "not a pem", "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"])
 def test_unreadable_certificate_in_state_is_reissued(cert):
-    assert diff(state(certPem=cert)).replaces == ["notAfter"]
+    assert reissued(diff(state(certPem=cert)))
 
 
 def test_provider_class_path_is_stable_for_dill():
     """State holds the pickled provider by reference: moving the class breaks every existing stack."""
     assert (tls.SelfSignedProvider.__module__, tls.SelfSignedProvider.__qualname__) == ("components.tls", "SelfSignedProvider")
     clone = dill.loads(dill.dumps(tls.SelfSignedProvider(), recurse=True))
-    assert clone.diff("id", state(certPem=None), dict(NAMES)).replaces == ["notAfter"]
+    assert reissued(clone.diff("id", state(certPem=None), dict(NAMES)))
 
 
 @pytest.mark.parametrize("domain", ["a" * 41 + ".example.com", ".".join(["b" * 63] * 3) + ".example.com"])
@@ -129,3 +134,40 @@ def test_a_domain_longer_than_a_common_name_gets_its_certificate(domain):
         cn = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
         assert len(cn) <= tls.CN_MAX
     assert leaf.issuer == ca.subject
+
+
+def test_a_reissue_is_signed_by_the_ca_in_the_state_which_editors_and_the_gateway_pin():
+    """A fresh CA at each reissue broke every user's editor config (it pins caPem) once a year,
+    and a fleet's gateway could not verify a renewed node until the roll's end."""
+    p = tls.SelfSignedProvider()
+    first = p.create({**NAMES, "validityDays": 29}).outs
+    assert p.diff("id", first, {**NAMES, "validityDays": 29}).changes  # under the renewal window
+    renewed = p.update("id", first, {**NAMES, "dnsNames": ["code.example.com", "other.example.com"]}).outs
+    assert renewed["caPem"] == first["caPem"] and renewed["caKeyPem"] == first["caKeyPem"]
+    assert renewed["certPem"] != first["certPem"] and renewed["keyPem"] != first["keyPem"]
+    leaf = x509.load_pem_x509_certificates(renewed["certPem"].encode())[0]
+    leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(first["caPem"].encode()))
+    assert (leaf.not_valid_after_utc - leaf.not_valid_before_utc).days == tls.MAX_VALIDITY_DAYS
+    ca = x509.load_pem_x509_certificate(first["caPem"].encode())
+    assert (ca.not_valid_after_utc - ca.not_valid_before_utc).days == tls.CA_VALIDITY_DAYS
+
+
+@pytest.mark.parametrize("ca", ["none", "other key", "ending", "damaged"])
+def test_a_ca_that_cannot_sign_the_reissue_is_made_again(ca):
+    """A state from before the CA was kept (no key), a key that is not the CA's, a CA that ends
+    before the new certificate would, or an unreadable one: a new CA, never a failed reissue."""
+    first = tls.issue("code.example.com", ["code.example.com"], [])
+    olds = {**state(**first)}
+    if ca == "none":
+        olds.pop("caKeyPem")
+    elif ca == "other key":
+        olds["caKeyPem"] = tls.issue("x", ["x"], [])["caKeyPem"]
+    elif ca == "ending":
+        olds.update(caPem=cert_pem(NOW - dt.timedelta(days=1), NOW + dt.timedelta(days=100)))
+    else:
+        olds["caPem"] = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+    renewed = tls.SelfSignedProvider().update("id", olds, {**NAMES}).outs
+    assert renewed["caPem"] != first["caPem"]
+    leaf = x509.load_pem_x509_certificates(renewed["certPem"].encode())[0]
+    leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(renewed["caPem"].encode()))
+
