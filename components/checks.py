@@ -237,6 +237,22 @@ def check_runtime(runtime, tier, problems, secrets):
                                 "remove runtime.vllmVersion, or set it to that release"))
 
 
+def check_secrets(secrets, problems):
+    """The string secrets beside their own parsers (keys, certificates): text, and a token that
+    goes into the engine's env file a token only (a newline in it was a second variable)."""
+    from components.config import STRING_SECRETS
+
+    for name in STRING_SECRETS:
+        value = getattr(secrets, re.sub("([A-Z])", r"_\1", name).lower())
+        if value not in (None, "") and not isinstance(value, str):
+            problems.append(Problem(name, "<secret>", f"must be text: pulumi config set --secret fimfleet:{name} ..."))
+    if isinstance(secrets.hf_token, str) and secrets.hf_token and not grammar.HF_TOKEN.fullmatch(secrets.hf_token):
+        problems.append(Problem("hfToken", "<secret>", "must be a Hugging Face access token (hf_ and letters, digits "
+                                "and _.-, one line), as huggingface.co/settings/tokens shows it"))
+    if isinstance(secrets.registry_password, str) and grammar.text(secrets.registry_password):
+        problems.append(Problem("registryPassword", "<secret>", grammar.TEXT_FIX))
+
+
 def check_ingress(ingress, secrets, problems):
     cidrs = list(ingress.metrics_allow_cidrs or ())
     for at, value, msg in grammar.cidr_set(cidrs, "/metrics"):

@@ -401,6 +401,7 @@ def _parse(raw: dict[str, Any], secret_keys: frozenset[str]) -> StackConfig:
     problems[:] = nodes_config.unique(problems)
     first = next(iter(nodes.values()))
     checks.check_runtime(runtime, tier, problems, secrets)
+    checks.check_secrets(secrets, problems)
     checks.check_ingress(ingress, secrets, problems)
     sla = sec["sla"]
     checks.check_sla_limits(sla, engine, problems)

@@ -45,6 +45,9 @@ API_KEY = re.compile(r"(?=.{24,512}\Z)[A-Za-z0-9._~+/-]+=*")
 """RFC 6750 b64token ('=' only as padding at the end), 24-512 characters: nothing in it needs
 quoting in nginx, and only '.' and '+' are special in a regex."""
 NO_CONTROL = re.compile(r"[^\x00-\x1f\x7f]*")
+HF_TOKEN = re.compile(r"[A-Za-z0-9_.-]{8,512}")
+"""A Hugging Face access token (hf_ and letters): one line of the engine's env file, nothing
+systemd's EnvironmentFile reads as a quote, an escape or a second variable."""
 TEXT = re.compile("[^\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]{0,4096}")
 """Any config string, before its own grammar: one line (no control character, C1 code, Unicode
 line or paragraph separator) of encodable text (no lone surrogate), 4096 characters at most."""

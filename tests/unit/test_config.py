@@ -722,3 +722,22 @@ def test_a_list_or_map_of_the_wrong_type_is_told_how_to_write_one(change, key, e
     raw, secret = raw_config()
     raw.update(change)
     assert example in {p.key: p.fix for p in problems_of(raw, secret)}.get(key, ""), problems_of(raw, secret)
+
+
+@pytest.mark.parametrize("key,value,extra", [
+    ("hfToken", "hf_abc\nLD_PRELOAD=/tmp/x.so", {}),
+    ("hfToken", 'hf_abc"x', {}),
+    ("hfToken", 12345678, {}),
+    ("registryPassword", "pw\nx", {"runtime": {"kind": "docker", "registryUser": "bot"}}),
+    ("registryPassword", 5, {"runtime": {"kind": "docker", "registryUser": "bot"}}),
+])
+def test_a_string_secret_is_text_and_a_token_only_a_token_never_echoed(key, value, extra):
+    """hfToken is one line of the engine's env file: a newline in it added a variable (an
+    LD_PRELOAD) to the engine's environment."""
+    raw, secret = raw_config(**extra)
+    raw[key] = value
+    problems = problems_of(raw, secret | {key})
+    assert key in [p.key for p in problems], [str(p) for p in problems]
+    assert not any(str(value) in str(p) for p in problems)
+    raw[key] = "hf_" + "a" * 34 if key == "hfToken" else 'any "text" $with spaces'
+    config.parse(raw, secret | {key})
