@@ -14,7 +14,7 @@ from typing import Any
 
 from components import gateway_render, grammar, ingress_render, models, sizing
 from components.cloud_types import PROVIDERS, plain_credentials
-from components.problems import NAMESPACE, SECRET_KEYS, ConfigError, Problem, masked  # noqa: F401 - the types config's users import
+from components.problems import NAMESPACE, SECRET_KEYS, ConfigError, Problem, beneath_own, masked  # noqa: F401 - the types config's users import
 from components.tiers import TIERS, Tier
 
 OTHER_NAMESPACES = ("pulumi", "hcloud", "aws", "digitalocean")
@@ -338,7 +338,7 @@ def _parse_section(name, cls, raw, defaults, problems):
         if want and not (isinstance(v, want) and not (want in (int, float) and isinstance(v, bool))):
             problems.append(Problem(f"{name}.{ck}", v, grammar.wrong_type(want, v)))
             continue
-        # kept: the key's own grammar, here or in checks.py, names the better fix (_text_only)
+        # kept: the key's own grammar, here or in checks.py, names the better fix (beneath_own)
         problems.extend(Problem(f"{name}.{ck}{where}", s, fix) for where, s, fix in grammar.text(v))
         md = f.metadata
         if "choices" in md and v not in md["choices"]:
@@ -410,9 +410,9 @@ def _parse(raw: dict[str, Any], secret_keys: frozenset[str]) -> StackConfig:
     checks.check_sla_fits_the_ingress(sla, ingress, problems, len(nodes) if sec["gateway"].host else 1)
     checks.check_sla_ceiling(sla, runtime, model, model_spec, problems)
 
-    texts = [p for p in problems if p.fix == grammar.TEXT_FIX]  # reported last (_text_only)
+    texts = [p for p in problems if p.fix == grammar.TEXT_FIX]  # reported last (beneath_own)
     if len(problems) > len(texts):
-        raise ConfigError(_text_only(problems))
+        raise ConfigError(beneath_own(problems, grammar.TEXT_FIX))
     cfg = StackConfig(tier=tier, secrets=secrets, model_spec=model_spec, memory=first.memory, host=first.host,
                       nodes=nodes, gateway_host=gw_host, **sec)
     found = []
@@ -421,16 +421,8 @@ def _parse(raw: dict[str, Any], secret_keys: frozenset[str]) -> StackConfig:
 
         found = monitoring.problems(monitoring.args_for(cfg, "node"))
     if found or texts:
-        raise ConfigError(_text_only(found + texts))
+        raise ConfigError(beneath_own(found + texts, grammar.TEXT_FIX))
     return cfg
-
-
-def _text_only(problems: list[Problem]) -> list[Problem]:
-    """The text rule's problem (grammar.text) only for a key no grammar of its own reported."""
-    named = {p.key for p in problems if p.fix != grammar.TEXT_FIX}
-    return [p for p in problems if p.fix != grammar.TEXT_FIX
-            or not any(k == p.key or p.key.startswith((k + ".", k + "[")) or k.startswith((p.key + ".", p.key + "["))
-                       for k in named)]
 
 
 def _parse_node(name, entry, named, raw_host, host_defaults, tier, model_spec, sec, secrets, problems) -> NodeConfig:

@@ -53,3 +53,12 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[Problem]):
         self.problems = problems
         super().__init__("invalid stack config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def beneath_own(problems: list[Problem], general_fix: str) -> list[Problem]:
+    """A general rule's problems (those whose fix is `general_fix`) only for keys that no rule of
+    their own reported: the key's own grammar names the better fix."""
+    named = {p.key for p in problems if p.fix != general_fix}
+    return [p for p in problems if p.fix != general_fix
+            or not any(k == p.key or p.key.startswith((k + ".", k + "[")) or k.startswith((p.key + ".", p.key + "["))
+                       for k in named)]
