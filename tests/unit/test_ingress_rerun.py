@@ -448,3 +448,14 @@ def test_a_rejected_gateway_site_leaves_the_servers_file_its_restored_generator_
     proc = host.run(bad["apply"])
     assert proc.returncode == 1 and "nginx rejected the new config" in proc.stderr, proc.stderr
     assert host.read(servers) == accepted
+
+
+def test_a_sites_destroy_after_the_hosts_nginx_step_left_makes_nothing_again(tmp_path):
+    """A site whose first apply failed is undone when its host leaves the stack, after the host's
+    nginx step removed its state: taking the lock made /var/lib/fimfleet/nginx again."""
+    files, step, _ = node_step(cfg_for())
+    host = site_applied(tmp_path, files, step)
+    shutil.rmtree(host.path(STATE_DIR))  # what the host's nginx step's destroy does last
+    proc = host.run(step["destroy"])
+    assert proc.returncode == 0, proc.stderr
+    assert not host.path(STATE_DIR).exists()
