@@ -72,6 +72,24 @@ def raw_config(tier: str = "cpu-epyc-prod", **sections) -> tuple[dict, frozenset
     return raw, frozenset({"sshPrivateKey", "apiKeys"})
 
 
+def parse(**sections):
+    """raw_config(**sections), validated."""
+    from components import config
+
+    return config.parse(*raw_config(**sections))
+
+
+def problems_of(raw, secret=frozenset({"sshPrivateKey", "apiKeys"})):
+    """The problems config.parse reports for `raw` (it must refuse it)."""
+    import pytest
+
+    from components import config
+
+    with pytest.raises(config.ConfigError) as err:
+        config.parse(raw, secret)
+    return err.value.problems
+
+
 def temp_project(tmp_path):
     """A throwaway Pulumi project whose program is this repository and whose stack files are copies.
 

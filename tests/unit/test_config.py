@@ -6,18 +6,7 @@ from pathlib import Path
 import pytest
 
 from components import config, grammar, passphrase
-from tests.helpers import API_KEY, TINY_CONFIG, raw_config, ssh_key
-
-
-def parse(**sections):
-    raw, secret = raw_config(**sections)
-    return config.parse(raw, secret)
-
-
-def problems_of(raw, secret=frozenset({"sshPrivateKey", "apiKeys"})):
-    with pytest.raises(config.ConfigError) as err:
-        config.parse(raw, secret)
-    return err.value.problems
+from tests.helpers import API_KEY, TINY_CONFIG, parse, problems_of, raw_config, ssh_key
 
 
 def test_valid_config_takes_defaults_from_the_tier():

@@ -7,18 +7,7 @@ from pathlib import Path
 import pytest
 
 from components import config, grammar
-from tests.helpers import raw_config
-
-
-def parse(**sections):
-    raw, secret = raw_config(**sections)
-    return config.parse(raw, secret)
-
-
-def problems_of(raw, secret=frozenset({"sshPrivateKey", "apiKeys"})):
-    with pytest.raises(config.ConfigError) as err:
-        config.parse(raw, secret)
-    return err.value.problems
+from tests.helpers import parse, problems_of, raw_config
 
 
 # ipaddress takes a zone after % that may hold any character (fe80::1%x; return 200 pwned),
