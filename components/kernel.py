@@ -19,7 +19,9 @@ LIMITS_PATH = "/etc/security/limits.d/90-fimfleet.conf"
 UNIT_PATH = "/etc/systemd/system/fimfleet-tuning.service"
 APPLY_SCRIPT = "/usr/local/lib/fimfleet/kernel-tuning.sh"
 MODULES_PATH = "/etc/modules-load.d/fimfleet.conf"
-STAGED_DIR = "/var/lib/fimfleet/kernel/staged"
+STATE_DIR = "/var/lib/fimfleet/kernel"
+"""The values recorded before fimfleet's first change (defaults.conf), which destroy restores."""
+STAGED_DIR = f"{STATE_DIR}/staged"
 """Where the step uploads its files: the apply installs them only once the host passed its checks,
 so a first apply refused there (a sysctl this kernel lacks) leaves nothing for the next boot."""
 THP = "/sys/kernel/mm/transparent_hugepage"
@@ -99,7 +101,8 @@ class RenderedKernel:
 def render(args: KernelArgs) -> RenderedKernel:
     sysctl, sysfs, debugfs = tuned_sysctl(args), tuned_sysfs(), tuned_debugfs()
     paths = dict(sysctl_path=SYSCTL_PATH, limits_path=LIMITS_PATH, unit_path=UNIT_PATH,
-                 apply_script=APPLY_SCRIPT, modules_path=MODULES_PATH, staged_dir=STAGED_DIR)
+                 apply_script=APPLY_SCRIPT, modules_path=MODULES_PATH, staged_dir=STAGED_DIR,
+                 state_dir=STATE_DIR)
     verify = templates.render("kernel/verify.sh.j2", sysctl=sysctl, sysfs=sysfs, limits=LIMITS, **paths)
     installed = [
         {"path": SYSCTL_PATH, "mode": "0644", "content": templates.render("kernel/sysctl.conf.j2", sysctl=sysctl)},

@@ -119,11 +119,13 @@ def hostile_renders(payload: str):
                limits_path=payload)
     yield "kernel-verify", verify
     yield "kernel-apply", r("kernel/apply.sh.j2", sysctl={payload: payload}, sysfs={payload: payload}, modules=[payload],
-                            sysctl_path=payload, apply_script=payload, verify="true", staged_dir=payload, sysctl_staged=payload,
+                            sysctl_path=payload, apply_script=payload, verify="true", staged_dir=payload, state_dir=payload,
+                            sysctl_staged=payload,
                             installs=[{"name": payload, "dest": payload, "mode": payload}])
     yield "kernel-tuning", r("kernel/tuning-apply.sh.j2", sysfs={payload: payload}, debugfs={payload: payload})
     yield "kernel-destroy", r("kernel/destroy.sh.j2", sysctl_path=payload, limits_path=payload, unit_path=payload,
-                              apply_script=payload, modules_path=payload, staged_dir=payload)
+                              apply_script=payload, modules_path=payload, staged_dir=payload,
+                              state_dir=payload)
     yield "packages", r("host/packages.sh.j2", packages=[payload])
 
 

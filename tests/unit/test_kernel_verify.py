@@ -137,6 +137,18 @@ def staged(tmp_path: Path, r: kernel.RenderedKernel):
     return moved
 
 
+def run_with_fake_tools(tmp_path: Path, script: str, sysctl: str = "") -> subprocess.CompletedProcess:
+    """Runs a step's script with sysctl, modprobe and systemctl that log each call to
+    tmp_path/calls (sysctl then runs `sysctl`'s extra lines)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for tool in ("sysctl", "modprobe", "systemctl"):
+        (bin_ / tool).write_text(f'#!/bin/bash\necho "{tool} $*" >> {tmp_path}/calls\n' + (sysctl if tool == "sysctl" else ""))
+        (bin_ / tool).chmod(0o755)
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True,
+                          env={"PATH": f"{bin_}:/usr/bin:/bin"}, timeout=30)
+
+
 def test_a_first_apply_the_host_refuses_leaves_nothing_for_the_next_boot(tmp_path):
     """The step's files were uploaded in place before the apply's checks ran: a sysctl this kernel
     lacks failed the step, which is then not in the state, and its sysctl.d, limits.d and
@@ -144,14 +156,7 @@ def test_a_first_apply_the_host_refuses_leaves_nothing_for_the_next_boot(tmp_pat
     now, and installed only after the checks; destroy removes the staged copies too."""
     r = kernel.render(kernel.KernelArgs(sysctl_overrides={"no.such.key": "1"}))
     moved = staged(tmp_path, r)
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    for tool in ("sysctl", "modprobe", "systemctl"):
-        (bin_ / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {tmp_path}/calls\n")
-        (bin_ / tool).chmod(0o755)
-    env = {"PATH": f"{bin_}:/usr/bin:/bin"}
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", moved(r.apply)], capture_output=True, text=True, env=env,
-                          timeout=30)
+    proc = run_with_fake_tools(tmp_path, moved(r.apply))
     assert proc.returncode == 1 and "sysctl no.such.key does not exist on this kernel" in proc.stderr, proc.stderr
     assert not [f["path"] for f in r.installed if Path(moved(f["path"])).exists()]
     assert not (tmp_path / "calls").exists()  # nothing loaded, set or enabled either
@@ -190,17 +195,13 @@ def test_a_value_the_kernel_refuses_puts_back_what_was_live_and_installs_nothing
     if earlier:
         sysctl_file.parent.mkdir(parents=True, exist_ok=True)
         sysctl_file.write_text("vm.swappiness = 10\n")
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    (bin_ / "sysctl").write_text(f'#!/bin/bash\necho "sysctl $*" >> {tmp_path}/calls\n'
-                                 'if [ "$2" = -p ] && grep -q "= -1$" "$3"; then\n'
-                                 '  echo "sysctl: setting key \\"vm.swappiness\\": Invalid argument" >&2; exit 255\nfi\n')
-    for tool in ("modprobe", "systemctl"):
-        (bin_ / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {tmp_path}/calls\n")
-    for tool in bin_.iterdir():
-        tool.chmod(0o755)
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", moved(r.apply)], capture_output=True, text=True,
-                          env={"PATH": f"{bin_}:/usr/bin:/bin"}, timeout=30)
+    knob = tmp_path / "knob"  # a sysfs default: the apply changed no sysfs value yet, so keeps it
+    knob.write_text("fimfleet's\n")
+    defaults = Path(moved(kernel.STATE_DIR)) / "defaults.conf"
+    defaults.parent.mkdir(parents=True, exist_ok=True)
+    defaults.write_text(f"sysfs {knob} 500000\n")
+    proc = run_with_fake_tools(tmp_path, moved(r.apply), sysctl='if [ "$2" = -p ] && grep -q "= -1$" "$3"; then\n'
+                               '  echo "sysctl: setting key \\"vm.swappiness\\": Invalid argument" >&2; exit 255\nfi\n')
     assert proc.returncode == 1, proc.stderr
     assert 'the kernel refused a value of fimfleet:kernel.sysctl (sysctl: setting key "vm.swappiness": Invalid argument)' \
         in proc.stderr, proc.stderr
@@ -212,3 +213,24 @@ def test_a_value_the_kernel_refuses_puts_back_what_was_live_and_installs_nothing
     assert sysctl_file.read_text() == "vm.swappiness = 10\n" if earlier else not sysctl_file.exists()
     assert not [f["path"] for f in r.installed[1:] if Path(moved(f["path"])).exists()]
     assert not Path(moved(kernel.STAGED_DIR)).exists()
+    assert knob.read_text() == "fimfleet's\n"
+
+
+def test_destroy_restores_every_recorded_default_and_leaves_no_state(tmp_path):
+    """destroy puts back each sysctl and sysfs value recorded before fimfleet's first apply (the
+    refused apply above shares this restore, sysctls only), then removes its records."""
+    r = kernel.render(kernel.KernelArgs())
+    moved = staged(tmp_path, r)
+    knob, absent = tmp_path / "knob", tmp_path / "gone"
+    knob.write_text("5000000\n")
+    state = Path(moved(kernel.STATE_DIR))
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "defaults.conf").write_text(f"vm.swappiness = 60\nnet.ipv4.tcp_rmem = 4096 131072 6291456\n"
+                                         f"sysfs {knob} 500000\nsysfs {absent} 1\n")
+    proc = run_with_fake_tools(tmp_path, moved(r.destroy))
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c for c in calls if c.startswith("sysctl")] == [
+        "sysctl -q -w vm.swappiness=60", "sysctl -q -w net.ipv4.tcp_rmem=4096 131072 6291456"]
+    assert knob.read_text() == "500000\n" and not absent.exists()
+    assert not state.exists() and not [f["path"] for f in r.files if Path(moved(f["path"])).exists()]
