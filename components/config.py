@@ -28,6 +28,11 @@ def camel(name: str) -> str:
     return head + "".join(w[:1].upper() + w[1:] for w in rest)
 
 
+def snake(key: str) -> str:
+    """camel's inverse: the field that holds a stack key's value (hfToken -> hf_token)."""
+    return re.sub("([A-Z])", r"_\1", key).lower()
+
+
 def key(**kw):
     """A config field: `check(value) -> fix text or None`, plus the allowed `choices`."""
     default = kw.pop("default", None)
@@ -388,7 +393,7 @@ def _parse(raw: dict[str, Any], secret_keys: frozenset[str]) -> StackConfig:
         if sk in raw and sk not in secret_keys:
             problems.append(Problem(sk, "<plain text>", f"store it as a secret: pulumi config set --secret {NAMESPACE}:{sk} ..."))
     api_keys = checks.check_api_keys(raw.get("apiKeys"), problems)
-    secrets = Secrets(api_keys=api_keys, **{re.sub("([A-Z])", r"_\1", k).lower(): raw.get(k, "") for k in STRING_SECRETS})
+    secrets = Secrets(api_keys=api_keys, **{snake(k): raw.get(k, "") for k in STRING_SECRETS})
 
     model, engine, runtime, ingress = sec["model"], sec["engine"], sec["runtime"], sec["ingress"]
     model_spec = checks.check_model(model, tier, problems)

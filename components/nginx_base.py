@@ -12,7 +12,6 @@ passes ``-g 'daemon on; master_process on;'`` and a duplicate makes nginx refuse
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,10 +48,7 @@ _PATH_RE = re.compile(r"^/[A-Za-z0-9._+@%,:=/-]*\Z")
 
 def address_port(host: str, port: int) -> str:
     """`host:port` as nginx reads it in listen and server lines: an IPv6 address in brackets."""
-    if not grammar.ip(host):
-        return f"{host}:{port}"
-    ip = ipaddress.ip_address(host)
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    return f"{grammar.url_host(host)}:{port}"
 
 
 def fail(owner: str, field_name: str, value: object, fix: str) -> None:

