@@ -10,6 +10,8 @@ alone, then `rollout.maxUnavailable` at a time. A node whose engine or host chan
 at the gateway first, checked directly, then enabled; the next wave waits for the enables. A
 node the last `up` did not deploy serves nobody yet, so its engine waits only for the canary
 and its host is set up beside the canary: a fresh fleet is the canary, then all the rest at once.
+A deployed node out of rotation (an `up` failed after its drain) rolls first, and every serving
+node waits for its enable: draining one more could leave none in rotation.
 The gateway's host (a node's, or its own machine without an engine) is set up first and is
 not gated, since every drain runs there.
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import pulumi
 
 from components import gateway as gateway_shape
-from components import cloud, hostbase, keys, node, templates
+from components import cloud, gateway_render, hostbase, keys, node, templates
 from components.gateway import GatewayArgs
 from components.hostbase import HostBase, HostBaseArgs
 from components.ingress import NginxIngress
@@ -145,26 +147,43 @@ class Fleet(pulumi.ComponentResource):
                 node_name, node_args, base,
                 opts=pulumi.ResourceOptions(parent=self, depends_on=self._gate(node_name, "node", gate)))
 
+    def _order(self, node_name: str, serving: list, stranded: list, wave_gate: list, new_gate: list) -> list:
+        """What node_name's rollout waits for: nothing if a failed `up` left it drained, the canary's
+        enable (new_gate) if it serves nobody yet, else the wave before it and every stranded node."""
+        if node_name in stranded:
+            return []
+        if node_name not in serving:
+            return new_gate
+        return wave_gate + [self.enables[s] for s in stranded]
+
     def _waves(self, args: FleetArgs, gw: GatewayArgs, deployed) -> None:
         gw_base = self._host(gw.host, args, [])
         fleet_key = keys.ProbeKey("fleet-probe-key", opts=pulumi.ResourceOptions(parent=self))
         probe_key = pulumi.Output.secret(fleet_key.key)
-        serving = pulumi.Output.from_input(deployed) if deployed is not None else None
+        triggers = {n: gateway_shape.rollout_digest(a.runtime, args.hosts[a.host].kernel, args.hosts[a.host].host.packages)
+                    for n, a in args.nodes.items()}
+        order = None
+        if deployed is not None:
+            rotation = gateway_shape.rotation_step(gw, gw_base.connection, [f"{n} {t}" for n, t in triggers.items()], self)
+            # Deployed by the last successful `up` and out of rotation now: drained by an `up` that
+            # failed. Those roll first, and every serving node waits for them: draining one more
+            # could leave no node in rotation. A fleet never deployed waits for no read.
+            order = pulumi.Output.from_input(deployed).apply(lambda names: pulumi.Output.all(names, (
+                rotation.stdout.apply(lambda out: sorted(set(names) - gateway_render.in_rotation(out))) if names else [])))
         wave_gate: list = []
         canary_gate: list = []
-        for i, wave in enumerate(gateway_shape.waves(list(args.nodes), gw.max_unavailable)):
+        for wave in gateway_shape.waves(list(args.nodes), gw.max_unavailable):
             enables = []
             for node_name in wave:
                 gate = base_gate = wave_gate
-                if i > 0 and serving is not None:
+                if order is not None:
                     # A serving node (and its host) waits for the wave before it. A new one serves
                     # nobody: its engine waits for the canary, its host's setup for nothing.
-                    gate = serving.apply(lambda names, n=node_name, w=wave_gate, c=canary_gate: w if n in names else c)
-                    base_gate = serving.apply(lambda names, n=node_name, w=wave_gate: w if n in names else [])
+                    gate = order.apply(lambda o, n=node_name, w=wave_gate, c=canary_gate: self._order(n, *o, w, c))
+                    base_gate = order.apply(lambda o, n=node_name, w=wave_gate: self._order(n, *o, w, []))
                 node_args = args.nodes[node_name]
-                host_args = args.hosts[node_args.host]
                 base = self._host(node_args.host, args, base_gate)
-                trigger = gateway_shape.rollout_digest(node_args.runtime, host_args.kernel, host_args.host.packages)
+                trigger = triggers[node_name]
                 drain = gateway_shape.member_step(node_name, False, gw, gw_base.connection, gw_base.nginx_settings,
                                                   trigger, self, after=self._gate(node_name, "drain", gate))
                 svc = NodeService(node_name, node_args, base, gate=[drain],

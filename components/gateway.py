@@ -18,7 +18,8 @@ import pulumi
 from components import host as hosts
 from components import ingress, kernel, runtime, templates
 from components.config import ConfigError, Problem
-from components.gateway_render import GATEWAY, FleetUpstream, GatewayPaths, Member, member_check, member_script
+from components.gateway_render import (GATEWAY, FleetUpstream, GatewayPaths, Member, member_check, member_script,
+                                       rotation_script)
 from components.nginx_base import NginxBase
 from components.remote import RemoteStep
 
@@ -101,6 +102,16 @@ def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.
         # a node that leaves the fleet leaves the rotation first
         destroy=member_script(node, False, nginx, paths, 1) if enabled else None,
         timeout_s=args.drain_timeout_s + 120, opts=pulumi.ResourceOptions(parent=parent, depends_on=after))
+
+
+def rotation_step(args: GatewayArgs, connection: pulumi.Input[dict], triggers: list[str],
+                  parent: pulumi.Resource) -> RemoteStep:
+    """Reads which nodes the gateway has in rotation as a roll starts: it runs when any node's
+    rollout trigger changes (`triggers`, in the stack's order), so a no-op `up` opens no SSH
+    session. Its output decides the order: a node a failed `up` left drained rolls first."""
+    return RemoteStep(f"{GATEWAY}-rotation", label="gateway: read the rotation", connection=connection,
+                      triggers=triggers, apply=rotation_script(args.ingress.fleet.paths), timeout_s=120,
+                      opts=pulumi.ResourceOptions(parent=parent))
 
 
 def ca_bundle(pems: list[str]) -> str:

@@ -161,3 +161,16 @@ def member_script(node: str, enabled: bool, nginx: NginxBase, paths: GatewayPath
 def member_check(node: str, paths: GatewayPaths) -> str:
     """Refresh: an enabled node whose marker is gone (gateway host wiped) is drift."""
     return templates.render("gateway/member-check.sh.j2", node=node, paths=paths)
+
+
+IN_ROTATION = "in rotation: "
+"""How rotation.sh.j2 names each node in rotation, one per line."""
+
+
+def rotation_script(paths: GatewayPaths) -> str:
+    return templates.render("gateway/rotation.sh.j2", paths=paths)
+
+
+def in_rotation(stdout: str | None) -> set[str]:
+    """The nodes rotation_script's output names."""
+    return {line[len(IN_ROTATION):] for line in (stdout or "").splitlines() if line.startswith(IN_ROTATION)}

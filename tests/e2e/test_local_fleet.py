@@ -3,8 +3,9 @@ beside the first (scripts/local_fleet.py), and rolls changes over it.
 
 One stack for the module, steps in order: fleet `up` (both engines adopted from serving
 snapshots; no Prometheus, which the `local` e2e covers) → a no-op `up` changes nothing → each
-key stays on one node → a rolling change while a client streams through the gateway: the
-canary drained, checked and enabled before node2, no failed request → a change that fails the
+key stays on one node → a rolling change while a client streams through the gateway, with
+node2 left out of rotation as a failed `up` leaves it: node2 drained, checked and enabled before
+the canary, no failed request → a change that fails the
 canary's SLA: `up` fails, node2 untouched and serving, the gateway sends the canary nothing →
 `destroy` removes both nodes and the gateway.
 
@@ -28,7 +29,9 @@ import httpx
 import pytest
 
 from components import runtime
-from components.gateway_render import FLEET_PROBE_KEY_NAME
+from components.gateway import SERVERS_FILE
+from components.gateway_render import FLEET_PROBE_KEY_NAME, GATEWAY, GatewayPaths
+from components.nginx_base import NginxBase
 from scripts import local_deploy as ld
 from scripts import local_fleet
 from tests.e2e.local_stack import (Node, assert_sla_missed, client, journal_cursor, keys, live, set_impossible_sla,
@@ -148,6 +151,11 @@ def test_03_each_key_stays_on_one_node(fleet):
 
 
 def test_04_a_rolling_change_drains_one_node_at_a_time_and_fails_no_request(fleet):
+    """node2 starts out of rotation, as an `up` that failed after its drain leaves it (its check
+    failed, its enable never ran). The roll reads the rotation first and rolls node2 before the
+    canary: draining the canary first would leave no node in rotation for its restart."""
+    paths = GatewayPaths(servers=f"{NginxBase().sites_dir}/{SERVERS_FILE}")  # as gateway.args_for has them
+    fleet.on(CANARY, f"rm {paths.enabled_dir}/{OTHER}")  # the gateway is beside the canary
     cursors = {n: fleet.journal_cursor(n) for n in NODES}
     model, key = fleet.outputs()["model"], next(iter(keys(fleet).values()))
     results: list[str | None] = []
@@ -169,10 +177,10 @@ def test_04_a_rolling_change_drains_one_node_at_a_time_and_fails_no_request(flee
     assert proc.returncode == 0, shown(proc)
     failed = [r for r in results if r is not None]
     assert len(results) >= 5 and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
-    # The canary's drain, check and enable, then node2's: one node out of rotation at a time.
-    steps = [m.group(1) for m in re.finditer(r"(\S+-(?:drain|enable|sla)) (?:updated|replaced)", proc.stdout)]
-    assert steps == [f"{CANARY}-drain", f"{CANARY}-sla", f"{CANARY}-enable",
-                     f"{OTHER}-drain", f"{OTHER}-sla", f"{OTHER}-enable", "fleet-sla"], shown(proc)
+    # The rotation read, node2's drain, check and enable, then the canary's: one node out at a time.
+    steps = [m.group(1) for m in re.finditer(r"(\S+-(?:drain|enable|sla|rotation)) (?:updated|replaced)", proc.stdout)]
+    assert steps == [f"{GATEWAY}-rotation", f"{OTHER}-drain", f"{OTHER}-sla", f"{OTHER}-enable",
+                     f"{CANARY}-drain", f"{CANARY}-sla", f"{CANARY}-enable", "fleet-sla"], shown(proc)
     for n in NODES:
         assert fleet.on(n, f"sysctl -n {SYSCTL}").strip() == ROLLED, n
         assert fleet.engine_starts(n, cursors[n]) == 0, f"{n}'s engine was restarted by a kernel change"

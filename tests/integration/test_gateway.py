@@ -86,6 +86,12 @@ class Fleet:
             assert children_of(self.gateway.proc.pid) == workers, "the step reloaded the gateway"
         return proc.stdout
 
+    def rotation(self) -> set[str]:
+        """The nodes the real rotation read (the roll's first step) finds in rotation."""
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", gateway_render.rotation_script(self.paths)],
+                              capture_output=True, text=True, timeout=30, check=True)
+        return gateway_render.in_rotation(proc.stdout)
+
     def served_by(self) -> dict[str, list[str]]:
         """Node -> key names it served, from the nodes' own access logs, once every request the
         gateway has answered is there (a node logs a request after its last byte has left)."""
@@ -167,13 +173,16 @@ def test_a_drained_node_gets_nothing_and_its_keys_come_back_when_enabled(fleet, 
     for user in USERS:
         fleet.complete(client, user)
     home = {u: n for n, names in fleet.served_by().items() for u in names}
+    assert fleet.rotation() == {"a", "b"}
     out = fleet.member("a", enabled=False)
     assert "node a is drained" in out, out
+    assert fleet.rotation() == {"b"}  # what the next roll reads: a goes first
     before = len(fleet.served_by()["a"])
     for user in USERS:
         assert fleet.complete(client, user).status_code == 200
     assert len(fleet.served_by()["a"]) == before, "a drained node was sent requests"
     fleet.member("a", enabled=True)
+    assert fleet.rotation() == {"a", "b"}
     start = {n: len(v) for n, v in fleet.served_by().items()}
     for user in USERS:
         fleet.complete(client, user)

@@ -31,8 +31,12 @@ class Recorder(pmocks.MockMonitor):
 
 
 class Mocks(pulumi.runtime.Mocks):
+    def __init__(self):
+        self.outputs: dict[str, dict] = {}
+        """name -> what that resource's provider would add to its outputs (the recorder clears it)."""
+
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
-        outs = dict(args.inputs)
+        outs = {**args.inputs, **self.outputs.get(args.name, {})}
         if args.name.endswith("-cert"):
             outs.update(caPem="CA", certPem="CERT", keyPem="KEY")
         if args.name.endswith("-probe-key"):  # components/keys.py: the provider's create does not run under mocks
@@ -59,6 +63,7 @@ def recorder():
     # under another name, which installs a second recorder.
     active = pulumi.runtime.settings.get_monitor()
     active.registrations.clear()
+    active.mocks.outputs.clear()
     return active
 
 

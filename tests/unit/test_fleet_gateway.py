@@ -10,7 +10,7 @@ import pulumi
 import pytest
 import yaml
 
-from components import config, fleet as fleet_shape, gateway, ingress
+from components import config, fleet as fleet_shape, gateway, gateway_render, ingress
 from components.fleet import Fleet
 from components.gateway_render import FLEET_PROBE_KEY_NAME, FLEET_TLS_NAME, _loopback, member_listens
 from tests.helpers import TINY_CONFIG, raw_config
@@ -19,6 +19,17 @@ NODES = {"n1": {"address": "203.0.113.10"}, "n2": {"address": "203.0.113.11"}, "
 HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
 OWN = {"host": "198.51.100.20", "hostKey": HOST_KEY}
 """A gateway on its own machine."""
+
+
+def rotation(*nodes: str) -> dict:
+    """The gateway's rotation read as rotation.sh prints it on a host with `nodes` in rotation."""
+    return {"stdout": "".join(f"in rotation: {n}\n" for n in nodes)}
+
+
+@pytest.fixture(autouse=True)
+def all_in_rotation(recorder):
+    """Unless a test says otherwise, the gateway has every node in rotation."""
+    recorder.mocks.outputs[f"{gateway.GATEWAY}-rotation"] = rotation(*NODES)
 
 
 def fleet_cfg(**sections):
@@ -336,6 +347,48 @@ def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, d
         assert {"n1-enable", "n2-enable", "n3-enable"} <= deps(t, "fleet-sla")
 
     return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+
+
+@pytest.mark.parametrize("stranded", [["n3"], ["n2", "n3"], ["n1", "n2", "n3"]])
+@pulumi.runtime.test
+def test_nodes_a_failed_up_left_drained_roll_first_and_the_serving_ones_wait_for_them(recorder, stranded):
+    """n3 failed its check in an `up` that failed: drained, and not enabled again. The next roll
+    drained the canary too, and nothing was in rotation for its restart. The nodes out of
+    rotation roll first, without a gate; every serving node waits for their enables."""
+    recorder.mocks.outputs[f"{gateway.GATEWAY}-rotation"] = rotation(*[n for n in NODES if n not in stranded])
+    f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(rollout={"maxUnavailable": 1})), deployed=list(NODES))
+    enables = {f"{n}-enable" for n in stranded}
+    normal = {"n1": set(), "n2": {"n1-enable"}, "n3": {"n2-enable"}}
+
+    def check(gates):
+        for n in NODES:
+            for kind in ("drain", "node", "host"):
+                want = set() if n in stranded or (n, kind) == ("n1", "host") else normal[n] | enables
+                assert gates[(n, kind)] == want, (n, kind, gates[(n, kind)])  # n1's host: the gateway's, ungated
+        regs = {r["name"]: r for r in recorder.registrations}
+        read = regs[f"{gateway.GATEWAY}-rotation"]["inputs"]
+        assert read["connection"] == regs["n1-drain"]["inputs"]["connection"]  # the gateway's host
+        assert [t.split()[0] for t in read["triggers"]] == list(NODES)
+
+    return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+
+
+def test_the_rotation_read_names_each_enabled_node_and_nothing_else(tmp_path):
+    paths = gateway_render.GatewayPaths(servers=str(tmp_path / "servers"), state_dir=str(tmp_path / "gw"))
+    script = gateway_render.rotation_script(paths)
+
+    def read() -> set[str]:
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, check=True,
+                             timeout=30).stdout
+        return gateway_render.in_rotation(out)
+
+    assert read() == set()  # no rotation yet: a fleet never deployed
+    Path(paths.enabled_dir).mkdir(parents=True)
+    assert read() == set()
+    for n in ("n1", "n-3"):
+        (Path(paths.enabled_dir) / n).touch()
+    assert read() == {"n1", "n-3"}
+    assert gateway_render.in_rotation(None) == set() and gateway_render.in_rotation("x\nin rotation: a\n") == {"a"}
 
 
 def test_member_addresses_follow_the_node_names_so_a_removed_node_moves_no_other_key():
