@@ -7,11 +7,13 @@ it serves.
 
 With a gateway (components/gateway.py) the nodes roll in waves: the first node (the canary)
 alone, then `rollout.maxUnavailable` at a time. A node whose engine or host changes is drained
-at the gateway first, checked directly, then enabled; the next wave waits for the enables. A
-node the last `up` did not deploy serves nobody yet, so its engine waits only for the canary
-and its host is set up beside the canary: a fresh fleet is the canary, then all the rest at once.
-A deployed node out of rotation (an `up` failed after its drain) rolls first, and every serving
-node waits for its enable: draining one more could leave none in rotation.
+at the gateway first (its host retunes after that), checked directly, then enabled; the next
+wave waits for the enables. The roll reads the gateway's rotation first (gateway.rotation_step).
+A node neither in it nor deployed by the last successful `up` serves nobody yet, so its engine
+waits only for the canary and its host is set up beside the canary: a fresh fleet is the
+canary, then all the rest at once. A deployed node out of rotation (an `up` failed after its
+drain) rolls first, and every serving node waits for its enable: draining one more could leave
+none in rotation.
 The gateway's host (a node's, or its own machine without an engine) is set up first and is
 not gated, since every drain runs there.
 
@@ -32,6 +34,14 @@ from components.hostbase import HostBase, HostBaseArgs
 from components.ingress import NginxIngress
 from components.node import NodeArgs, NodeService
 from components.sla.provider import FimSlaCheck
+
+
+def _serving_and_stranded(deployed: list, rotation_stdout: str | None) -> tuple[list, list]:
+    """Serving: in the gateway's rotation now, or deployed by the last successful `up` (an `up`
+    that failed exports nothing, so a node it enabled is known by the rotation alone).
+    Stranded: deployed and out of rotation now, as an `up` that failed after a drain leaves it."""
+    live = gateway_render.in_rotation(rotation_stdout)
+    return sorted(set(deployed or []) | live), sorted(set(deployed or []) - live)
 
 
 @dataclass(frozen=True)
@@ -162,30 +172,29 @@ class Fleet(pulumi.ComponentResource):
         probe_key = pulumi.Output.secret(fleet_key.key)
         triggers = {n: gateway_shape.rollout_digest(a.runtime, args.hosts[a.host].kernel, args.hosts[a.host].host.packages)
                     for n, a in args.nodes.items()}
-        order = None
+        order = None  # (serving, stranded); None: every node serves
         if deployed is not None:
             rotation = gateway_shape.rotation_step(gw, gw_base.connection, [f"{n} {t}" for n, t in triggers.items()], self)
-            # Deployed by the last successful `up` and out of rotation now: drained by an `up` that
-            # failed. Those roll first, and every serving node waits for them: draining one more
-            # could leave no node in rotation. A fleet never deployed waits for no read.
-            order = pulumi.Output.from_input(deployed).apply(lambda names: pulumi.Output.all(names, (
-                rotation.stdout.apply(lambda out: sorted(set(names) - gateway_render.in_rotation(out))) if names else [])))
+            order = pulumi.Output.all(deployed, rotation.stdout).apply(lambda v: _serving_and_stranded(*v))
         wave_gate: list = []
         canary_gate: list = []
         for wave in gateway_shape.waves(list(args.nodes), gw.max_unavailable):
             enables = []
             for node_name in wave:
-                gate = base_gate = wave_gate
+                gate = wave_gate
                 if order is not None:
-                    # A serving node (and its host) waits for the wave before it. A new one serves
-                    # nobody: its engine waits for the canary, its host's setup for nothing.
+                    # A serving node waits for the wave before it. A new one serves nobody: its
+                    # engine waits for the canary.
                     gate = order.apply(lambda o, n=node_name, w=wave_gate, c=canary_gate: self._order(n, *o, w, c))
-                    base_gate = order.apply(lambda o, n=node_name, w=wave_gate: self._order(n, *o, w, []))
                 node_args = args.nodes[node_name]
-                base = self._host(node_args.host, args, base_gate)
                 trigger = triggers[node_name]
                 drain = gateway_shape.member_step(node_name, False, gw, gw_base.connection, gw_base.nginx_settings,
                                                   trigger, self, after=self._gate(node_name, "drain", gate))
+                # A serving node's host retunes only once the node is out of rotation (its drain);
+                # a new or stranded node's host serves nobody, and is set up at once.
+                base_gate = [drain] if order is None else order.apply(
+                    lambda o, n=node_name, d=drain: [d] if n in o[0] and n not in o[1] else [])
+                base = self._host(node_args.host, args, base_gate)
                 svc = NodeService(node_name, node_args, base, gate=[drain],
                                   extra_keys={keys.FLEET_PROBE_KEY_NAME: probe_key},
                                   opts=pulumi.ResourceOptions(parent=self,

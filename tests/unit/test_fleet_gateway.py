@@ -83,7 +83,8 @@ def test_a_roll_drains_checks_and_enables_each_node_wave_after_wave(recorder):
         assert all("n1-nginx" in deps(t, f"{n}-enable") for n in NODES)
         # the second wave (n2, n3 together) waits for the canary's enable, not for each other
         for n in ("n2", "n3"):
-            assert gates[(n, "drain")] == gates[(n, "node")] == gates[(n, "host")] == {"n1-enable"}, gates
+            assert gates[(n, "drain")] == gates[(n, "node")] == {"n1-enable"}, gates
+            assert gates[(n, "host")] == {f"{n}-drain"}  # its host retunes once it is out of rotation
             assert registered_before(recorder, "n1-enable", f"{n}-drain")
             # ... an order held by the program only: no node depends on another in the state, so
             # `destroy` takes them down side by side (and `destroy --target` takes one)
@@ -322,15 +323,18 @@ def test_drains_run_on_the_gateways_host_which_is_set_up_first_and_ungated(recor
     return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
 
 
-@pytest.mark.parametrize("deployed, n3_waits_for", [
-    (["n1", "n2", "n3"], "n2-enable"),  # a roll: n3 serves, so it waits for the wave before it
-    ([], "n1-enable"),                  # a fresh fleet: the canary, then all the others at once
-    (["n1", "n2"], "n1-enable"),        # n3 is new: it serves nobody yet, so only the canary gates it
-    (None, "n2-enable"),                # unknown: every node waits for its wave
+@pytest.mark.parametrize("deployed, live, n3_waits_for", [
+    (["n1", "n2", "n3"], NODES, "n2-enable"),  # a roll: n3 serves, so it waits for the wave before it
+    ([], [], "n1-enable"),                     # a fresh fleet: the canary, then all the others at once
+    (["n1", "n2"], ["n1", "n2"], "n1-enable"),  # n3 is new: it serves nobody yet, so only the canary gates it
+    # n3 was enabled by an `up` that failed later, so never exported: in rotation, it serves
+    (["n1", "n2"], NODES, "n2-enable"),
+    (None, NODES, "n2-enable"),                # unknown: every node waits for its wave
 ])
 @pulumi.runtime.test
-def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, deployed, n3_waits_for):
+def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, deployed, live, n3_waits_for):
     """n3 is in the third wave (maxUnavailable 1)."""
+    recorder.mocks.outputs[f"{gateway.GATEWAY}-rotation"] = rotation(*live)
     f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(rollout={"maxUnavailable": 1})), deployed=deployed)
 
     def check(gates):
@@ -339,12 +343,13 @@ def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, d
         for kind in ("drain", "node"):
             assert gates[("n3", kind)] == {n3_waits_for}, (kind, gates[("n3", kind)])
         assert registered_before(recorder, n3_waits_for, "n3-drain")
-        # a new node's host is set up beside the canary; a serving node's host waits for its wave
-        new = deployed is not None and "n3" not in deployed
-        assert gates[("n3", "host")] == (set() if new else {n3_waits_for}), gates[("n3", "host")]
+        # a new node's host is set up beside the canary; a serving node's host once it is drained
+        new = n3_waits_for == "n1-enable"
+        assert gates[("n3", "host")] == (set() if new else {"n3-drain"}), gates[("n3", "host")]
         if deployed == []:  # the second wave too
             assert gates[("n2", "host")] == set()
         assert {"n1-enable", "n2-enable", "n3-enable"} <= deps(t, "fleet-sla")
+        assert (f"{gateway.GATEWAY}-rotation" in {r["name"] for r in recorder.registrations}) is (deployed is not None)
 
     return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
 
@@ -362,9 +367,12 @@ def test_nodes_a_failed_up_left_drained_roll_first_and_the_serving_ones_wait_for
 
     def check(gates):
         for n in NODES:
-            for kind in ("drain", "node", "host"):
-                want = set() if n in stranded or (n, kind) == ("n1", "host") else normal[n] | enables
-                assert gates[(n, kind)] == want, (n, kind, gates[(n, kind)])  # n1's host: the gateway's, ungated
+            for kind in ("drain", "node"):
+                want = set() if n in stranded else normal[n] | enables
+                assert gates[(n, kind)] == want, (n, kind, gates[(n, kind)])
+            # a serving host retunes once its node is drained; n1's is the gateway's, set up first
+            want = set() if n in stranded or n == "n1" else {f"{n}-drain"}
+            assert gates[(n, "host")] == want, (n, gates[(n, "host")])
         regs = {r["name"]: r for r in recorder.registrations}
         read = regs[f"{gateway.GATEWAY}-rotation"]["inputs"]
         assert read["connection"] == regs["n1-drain"]["inputs"]["connection"]  # the gateway's host
