@@ -31,6 +31,7 @@ from components import gateway as gateway_shape
 from components import cloud, gateway_render, hostbase, keys, node, templates
 from components.gateway import GatewayArgs
 from components.hostbase import HostBase, HostBaseArgs
+from components.identity import this_stack
 from components.ingress import NginxIngress
 from components.node import NodeArgs, NodeService
 from components.sla.provider import FimSlaCheck
@@ -95,7 +96,7 @@ def deployed_nodes() -> pulumi.Output:
     """The nodes the stack's last successful `up` exported, read back from the stack's own state
     (empty on a stack never deployed). An `up` that failed exports nothing, so a node it
     enabled counts as new once more: it then goes beside the wave after the canary."""
-    ref = pulumi.StackReference(f"{pulumi.get_organization()}/{pulumi.get_project()}/{pulumi.get_stack()}")
+    ref = pulumi.StackReference(this_stack())
     return ref.get_output(NODES_OUTPUT).apply(lambda nodes: sorted(nodes or {}))
 
 

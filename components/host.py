@@ -16,7 +16,7 @@ import pulumi
 
 from components import cloud, cloud_types, templates, tiers
 from components.config import StackConfig
-from components.identity import HostIdentity
+from components.identity import HostIdentity, this_stack
 from components.remote import RemoteStep
 
 STEAL_SAMPLE_SECONDS = 3
@@ -175,7 +175,7 @@ class Host(pulumi.ComponentResource):
                                forwards=dict(args.forwards))
         first = pulumi.ResourceOptions(parent=self, depends_on=[self.instance] if self.instance else [])
         self.identity = HostIdentity(f"{name}-identity", connection=base, host_key=args.host_key,
-                                     bastion_host_key=args.bastion_host_key, opts=first)
+                                     bastion_host_key=args.bastion_host_key, owner=this_stack(), opts=first)
         self.connection = pinned_connection(base, self.identity)
         booted = [cloud.cloud_init_step(f"{name}-cloud-init", self.connection, opts=child)] if self.instance else []
         self.preflight = RemoteStep(f"{name}-preflight", label="host preflight", connection=self.connection,

@@ -15,6 +15,7 @@ No SSH session is opened in `diff`, so a no-op `up` stays offline.
 
 from __future__ import annotations
 
+import shlex
 import uuid
 from typing import Any
 
@@ -27,6 +28,9 @@ from components.ssh import SshTarget, Unreachable, run, session, shared_session
 
 STATE_DIR = "/var/lib/fimfleet"
 ID_FILE = f"{STATE_DIR}/host-id"
+OWNER_FILE = f"{STATE_DIR}/owner"
+"""The stack that deploys to the host (org/project/stack): one host serves one stack, as two
+stacks' kernel tuning, engine units and sites would overwrite each other's."""
 SWEEP = f"""# What the creates that never finished left (components/remote.py, UNDO_DIR), newest first;
 # the host leaves the stack, so no later run would undo them. Each within its step's time; one
 # that fails is named and the rest go on. Anything else there (an upload's temp file) just goes.
@@ -43,9 +47,30 @@ if cd {UNDO_DIR} 2>/dev/null; then
   done
   cd / && rmdir {UNDO_DIR} 2>/dev/null || true
 fi
-rm -f {ID_FILE}
+rm -f {ID_FILE} {OWNER_FILE}
 rmdir {MARKER_DIR} {STATE_DIR} 2>/dev/null || true  # emptied by the steps' destroys; a step left keeps its record"""
-PROBE = f"cat /etc/machine-id 2>/dev/null || echo unknown; cat {ID_FILE} 2>/dev/null || true"
+PROBE = (f"echo \"machine=$(cat /etc/machine-id 2>/dev/null)\"; echo \"id=$(cat {ID_FILE} 2>/dev/null)\"; "
+         f"echo \"owner=$(cat {OWNER_FILE} 2>/dev/null)\"")
+
+
+def this_stack() -> str:
+    """The running program's stack, as a StackReference and OWNER_FILE name it."""
+    return f"{pulumi.get_organization()}/{pulumi.get_project()}/{pulumi.get_stack()}"
+
+
+def _probe(client) -> dict:
+    """The host's machine id ("unknown" if it has none), fimfleet's host id and owner ("" if none)."""
+    _, out, _ = run(client, PROBE)
+    found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return {"machine": found.get("machine") or "unknown", "id": found.get("id", ""), "owner": found.get("owner", "")}
+
+
+def _refuse_other_owner(where: str, owner: str, wanted: str) -> None:
+    if owner and wanted and owner != wanted:
+        raise Error(f"{where} is deployed by another stack, {owner} ({OWNER_FILE} there): one host serves one stack, "
+                    "as their kernel tuning, engine units and sites would overwrite each other's. Deploy "
+                    f"{wanted} to another host, or run `pulumi destroy -s {owner.rsplit('/', 1)[-1]}` first; if that "
+                    f"stack is gone for good, remove {OWNER_FILE} on the host and rerun `pulumi up`")
 
 
 def _address(conn: dict) -> tuple:
@@ -62,18 +87,20 @@ class HostIdentityProvider(ResourceProvider):
         t = SshTarget.from_props(conn)
         with shared_session(t) if pinned else session(t, first_contact=True) as client:
             seen = client.fimfleet_seen
-            _, out, _ = run(client, PROBE)
-            lines = out.split()
-            machine_id, found = (lines + ["unknown"])[0], (lines[1] if len(lines) > 1 else "")
+            host = _probe(client)
+            owner = props.get("owner") or ""
+            _refuse_other_owner(t.where, host["owner"], owner)
+            found = host["id"]
             identity = found if found and (not keep or found == keep) else uuid.uuid4().hex
-            if identity != found:
-                code, _, err = run(client, f"mkdir -p {STATE_DIR} && echo {identity} > {ID_FILE}")
+            if identity != found or (owner and host["owner"] != owner):
+                record = f"echo {identity} > {ID_FILE}" + (f" && echo {shlex.quote(owner)} > {OWNER_FILE}" if owner else "")
+                code, _, err = run(client, f"mkdir -p {STATE_DIR} && {record}")
                 if code:
                     raise Error(f"cannot record fimfleet's host id in {ID_FILE} on {t.where} ({err.strip()[-300:]}): "
                                 "is its disk full or /var/lib read-only? Fix that, then rerun `pulumi up`")
         host_key = pinned or seen[-1]
         bastion_key = pinned_bastion or (seen[0] if t.bastion_host and len(seen) > 1 else "")
-        return {**props, "hostKeySeen": host_key, "bastionHostKeySeen": bastion_key, "machineId": machine_id,
+        return {**props, "hostKeySeen": host_key, "bastionHostKeySeen": bastion_key, "machineId": host["machine"],
                 "identity": identity}
 
     @readable_failures
@@ -106,8 +133,7 @@ class HostIdentityProvider(ResourceProvider):
         if conn.get("gone"):
             return ReadResult(id_=id_, outs=props)
         with shared_session(SshTarget.from_props(conn)) as client:
-            _, out, _ = run(client, PROBE)
-        found = (out.split() + ["", ""])[1]
+            found = _probe(client)["id"]
         outs = dict(props)
         if found != props.get("identity"):
             warn(f"host {conn['host']}:{conn.get('port', 22)} has lost fimfleet's host id ({ID_FILE}): it was wiped or "
@@ -140,9 +166,11 @@ class HostIdentity(Resource):
     machineId: pulumi.Output[str]  # noqa: N815
 
     def __init__(self, name: str, *, connection: pulumi.Input[dict], host_key: str = "", bastion_host_key: str = "",
-                 opts: pulumi.ResourceOptions | None = None):
+                 owner: str = "", opts: pulumi.ResourceOptions | None = None):
+        """`owner`: this_stack(), refused on a host that another stack deploys to. A new owner alone
+        changes nothing (no SSH session): it is written at the next contact."""
         opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(additional_secret_outputs=["connection"]))
         super().__init__(HostIdentityProvider(), name, {
-            "connection": connection, "hostKey": host_key, "bastionHostKey": bastion_host_key,
+            "connection": connection, "hostKey": host_key, "bastionHostKey": bastion_host_key, "owner": owner,
             "hostKeySeen": None, "bastionHostKeySeen": None, "identity": None, "machineId": None,
         }, opts)

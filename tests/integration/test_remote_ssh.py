@@ -37,9 +37,9 @@ def step(conn: dict, **kw) -> dict:
     return {**base, **kw}
 
 
-def first_contact(sshd: Sshd, **conn) -> dict:
+def first_contact(sshd: Sshd, owner: str = "", **conn) -> dict:
     return identity.HostIdentityProvider().create({"connection": sshd.connection(ssh_key(), **conn),
-                                                   "hostKey": "", "bastionHostKey": ""}).outs
+                                                   "hostKey": "", "bastionHostKey": "", "owner": owner}).outs
 
 
 def pinned(sshd: Sshd, ident: dict) -> dict:
@@ -51,6 +51,33 @@ def test_first_contact_pins_the_presented_key_and_writes_an_identity(sshd):
     assert ident["hostKeySeen"] == sshd.host_key
     assert (sshd.varlib / "fimfleet" / "host-id").read_text().strip() == ident["identity"]
     assert len(ident["machineId"]) >= 8
+
+
+def test_a_host_another_stack_deploys_to_is_refused_before_anything_changes(sshd):
+    """Two stacks on one host overwrote each other's kernel tuning, engine unit and site (a
+    single-node stack's node is `node` in both), and destroying one took the other down."""
+    owner_file = sshd.varlib / "fimfleet" / "owner"
+    ident = first_contact(sshd, owner="organization/fimfleet/cpu-epyc-prod")
+    assert owner_file.read_text() == "organization/fimfleet/cpu-epyc-prod\n"
+    with pytest.raises(identity.Error) as err:
+        first_contact(sshd, owner="organization/fimfleet/cpu-epyc-staging")
+    msg = str(err.value)
+    assert "is deployed by another stack, organization/fimfleet/cpu-epyc-prod" in msg, msg
+    assert "pulumi destroy -s cpu-epyc-prod" in msg and identity.OWNER_FILE in msg, msg
+    assert owner_file.read_text() == "organization/fimfleet/cpu-epyc-prod\n"
+    assert (sshd.varlib / "fimfleet" / "host-id").read_text().strip() == ident["identity"]
+    # the same stack again (its state lost) adopts the host
+    assert first_contact(sshd, owner="organization/fimfleet/cpu-epyc-prod")["identity"] == ident["identity"]
+    # a host an older fimfleet deployed has no owner: its stack's next contact writes it
+    owner_file.unlink()
+    olds = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", "owner": "", **ident}
+    news = {**olds, "connection": sshd.connection(ssh_key(), port=sshd.port), "owner": "organization/fimfleet/local"}
+    assert identity.HostIdentityProvider().update("id", olds, {**news, "hostKey": sshd.host_key}).outs["identity"] \
+        == ident["identity"]
+    assert owner_file.read_text() == "organization/fimfleet/local\n"
+    # and the host leaving the stack leaves no owner behind
+    identity.HostIdentityProvider().delete("id", {**news, **ident})
+    assert not (sshd.varlib / "fimfleet").exists()
 
 
 def test_a_changed_host_key_is_refused_before_anything_is_sent(sshd, tmp_path):
