@@ -37,12 +37,17 @@ from components.node import NodeArgs, NodeService
 from components.sla.provider import FimSlaCheck
 
 
-def _serving_and_stranded(deployed: list, rotation_stdout: str | None) -> tuple[list, list]:
-    """Serving: in the gateway's rotation now, or deployed by the last successful `up` (an `up`
-    that failed exports nothing, so a node it enabled is known by the rotation alone).
-    Stranded: deployed and out of rotation now, as an `up` that failed after a drain leaves it."""
-    live = gateway_render.in_rotation(rotation_stdout)
-    return sorted(set(deployed or []) | live), sorted(set(deployed or []) - live)
+def _serving_and_stranded(nodes: list, deployed: list, rotation_stdout: str | None) -> tuple[list, list]:
+    """Serving: the nodes in the gateway's rotation now, or deployed by the last successful `up`
+    (an `up` that failed exports nothing, so a node it enabled is known by the rotation alone).
+    Stranded: deployed and out of rotation now, as an `up` that failed after a drain leaves it.
+    With none in rotation (a fleet whose first `up` failed, a gateway host wiped) none serves, and
+    the canary goes first as in a fresh fleet, so a bad change still stops there."""
+    out = gateway_render.out_of_rotation(rotation_stdout)
+    if not set(nodes) - out:
+        return [], []
+    deployed = set(deployed or []) & set(nodes)  # a node removed from the stack has no enable to wait for
+    return sorted(deployed | (set(nodes) - out)), sorted(deployed & out)
 
 
 @dataclass(frozen=True)
@@ -175,8 +180,10 @@ class Fleet(pulumi.ComponentResource):
                     for n, a in args.nodes.items()}
         order = None  # (serving, stranded); None: every node serves
         if deployed is not None:
-            rotation = gateway_shape.rotation_step(gw, gw_base.connection, [f"{n} {t}" for n, t in triggers.items()], self)
-            order = pulumi.Output.all(deployed, rotation.stdout).apply(lambda v: _serving_and_stranded(*v))
+            member_keys = {n: gateway_shape.member_key(n, gw, gw_base.nginx_settings, t) for n, t in triggers.items()}
+            rotation = gateway_shape.rotation_step(gw, gw_base.connection, member_keys, self)
+            order = pulumi.Output.all(deployed, rotation.stdout).apply(
+                lambda v: _serving_and_stranded(list(args.nodes), *v))
         wave_gate: list = []
         canary_gate: list = []
         for wave in gateway_shape.waves(list(args.nodes), gw.max_unavailable):
@@ -192,7 +199,8 @@ class Fleet(pulumi.ComponentResource):
                 drain = gateway_shape.member_step(node_name, False, gw, gw_base.connection, gw_base.nginx_settings,
                                                   trigger, self, after=self._gate(node_name, "drain", gate))
                 # A serving node's host retunes only once the node is out of rotation (its drain);
-                # a new or stranded node's host serves nobody, and is set up at once.
+                # a new or stranded node's host serves nobody, and is set up at once. (The gateway's
+                # host, a node's too, is set up first: every drain runs there.)
                 base_gate = [drain] if order is None else order.apply(
                     lambda o, n=node_name, d=drain: [d] if n in o[0] and n not in o[1] else [])
                 base = self._host(node_args.host, args, base_gate)
@@ -203,9 +211,11 @@ class Fleet(pulumi.ComponentResource):
                 # Back into rotation once the node's own SLA check passed (its monitor, with the gate off).
                 # Its destroy (a drain) goes before the gateway host's nginx step: beside it, it could
                 # make that step's lock and rotation directories again after their destroy.
+                stranded = None if order is None else order.apply(lambda o, n=node_name: "stranded" if n in o[1] else "")
                 enable_step = gateway_shape.member_step(node_name, True, gw, gw_base.connection,
                                                         gw_base.nginx_settings, trigger, self,
-                                                        after=[svc.sla or svc.monitor.step, gw_base.nginx], drain=drain)
+                                                        after=[svc.sla or svc.monitor.step, gw_base.nginx], drain=drain,
+                                                        stranded=stranded)
                 self.nodes[node_name], self.enables[node_name] = svc, enable_step
                 enables.append(enable_step)
             canary_gate, wave_gate = canary_gate or enables, enables

@@ -86,17 +86,22 @@ def member(name: str, node_host, gateway_host: str, https_port: int) -> Member:
 
 def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.Input[dict], nginx: NginxBase,
                 trigger: str, parent: pulumi.Resource, after: pulumi.Input[list],
-                drain: RemoteStep | None = None) -> RemoteStep:
+                drain: RemoteStep | None = None, stranded: pulumi.Input[str] | None = None) -> RemoteStep:
     """Node `node`'s drain (before its engine changes) or enable (after its SLA check) on the
     gateway host. Both run only when `trigger` changes, so an unchanged node is never drained,
     and a node whose check failed stays drained until a later `up` passes it. An enable also
     runs after every run of its `drain` (whose output names the run): a drain's script or a
-    config rolled back after a failed check drains again, and the stored enable saw no change."""
+    config rolled back after a failed check drains again, and the stored enable saw no change.
+    `stranded` ("stranded" while the rotation read finds the node out, else "") runs the enable
+    of a node out of rotation whose steps saw no change (its marker lost, a drain cut short),
+    and once more at the first roll after that, a harmless enable of a node in rotation."""
     paths = args.ingress.fleet.paths
     action = "enable" if enabled else "drain"
+    triggers = [trigger] + ([drain.stdout] if drain is not None else [])
+    if stranded is not None:  # a trigger only while stranded: the steps of a stack from before it stay unchanged
+        triggers = pulumi.Output.all(*triggers, stranded).apply(lambda t: t[:-1] + [t[-1]] if t[-1] else t[:-1])
     return RemoteStep(
-        f"{node}-{action}", label=f"gateway: {action} {node}", connection=connection,
-        triggers=[trigger, drain.stdout] if drain is not None else [trigger],
+        f"{node}-{action}", label=f"gateway: {action} {node}", connection=connection, triggers=triggers,
         apply=member_script(node, enabled, nginx, paths, args.drain_timeout_s),
         check=member_check(node, paths) if enabled else None,
         # a node that leaves the fleet leaves the rotation first
@@ -104,13 +109,22 @@ def member_step(node: str, enabled: bool, args: GatewayArgs, connection: pulumi.
         timeout_s=args.drain_timeout_s + 120, opts=pulumi.ResourceOptions(parent=parent, depends_on=after))
 
 
-def rotation_step(args: GatewayArgs, connection: pulumi.Input[dict], triggers: list[str],
+def member_key(node: str, args: GatewayArgs, nginx: NginxBase, trigger: str) -> str:
+    """What runs node `node`'s drain or enable again: its trigger and both scripts (a new drain
+    timeout, or a fimfleet upgrade's script, runs them with the same trigger)."""
+    paths = args.ingress.fleet.paths
+    return templates.digest(trigger, *[member_script(node, e, nginx, paths, args.drain_timeout_s) for e in (False, True)])
+
+
+def rotation_step(args: GatewayArgs, connection: pulumi.Input[dict], keys: dict[str, str],
                   parent: pulumi.Resource) -> RemoteStep:
-    """Reads which nodes the gateway has in rotation as a roll starts: it runs when any node's
-    rollout trigger changes (`triggers`, in the stack's order), so a no-op `up` opens no SSH
-    session. Its output decides the order: a node a failed `up` left drained rolls first."""
+    """Reads which of the nodes are out of the gateway's rotation as a roll starts. It runs when
+    a drain or enable may run (`keys`: node -> member_key, in the stack's order), so its output
+    is never older than the last roll, and a no-op `up` opens no SSH session. The output
+    decides the order: a node a failed `up` left drained rolls first."""
     return RemoteStep(f"{GATEWAY}-rotation", label="gateway: read the rotation", connection=connection,
-                      triggers=triggers, apply=rotation_script(args.ingress.fleet.paths), timeout_s=120,
+                      triggers=[f"{n} {k}" for n, k in keys.items()],
+                      apply=rotation_script(args.ingress.fleet.paths, list(keys)), timeout_s=120,
                       opts=pulumi.ResourceOptions(parent=parent))
 
 

@@ -163,14 +163,19 @@ def member_check(node: str, paths: GatewayPaths) -> str:
     return templates.render("gateway/member-check.sh.j2", node=node, paths=paths)
 
 
-IN_ROTATION = "in rotation: "
-"""How rotation.sh.j2 names each node in rotation, one per line."""
+OUT_OF_ROTATION = "out of rotation: "
+"""How rotation.sh.j2 names each node out of rotation, one per line."""
 
 
-def rotation_script(paths: GatewayPaths) -> str:
-    return templates.render("gateway/rotation.sh.j2", paths=paths)
+def rotation_script(paths: GatewayPaths, nodes: list[str]) -> str:
+    """Lists the nodes of `nodes` that are out of rotation: the output stays short (a step keeps
+    only its tail) whatever the fleet's size, as long as most nodes serve."""
+    for node in nodes:
+        if msg := grammar.dns_label(node):
+            fail("rotation_script", "nodes", node, msg)
+    return templates.render("gateway/rotation.sh.j2", paths=paths, nodes=nodes)
 
 
-def in_rotation(stdout: str | None) -> set[str]:
+def out_of_rotation(stdout: str | None) -> set[str]:
     """The nodes rotation_script's output names."""
-    return {line[len(IN_ROTATION):] for line in (stdout or "").splitlines() if line.startswith(IN_ROTATION)}
+    return {line[len(OUT_OF_ROTATION):] for line in (stdout or "").splitlines() if line.startswith(OUT_OF_ROTATION)}

@@ -88,9 +88,9 @@ class Fleet:
 
     def rotation(self) -> set[str]:
         """The nodes the real rotation read (the roll's first step) finds in rotation."""
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", gateway_render.rotation_script(self.paths)],
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", gateway_render.rotation_script(self.paths, list(self.nodes))],
                               capture_output=True, text=True, timeout=30, check=True)
-        return gateway_render.in_rotation(proc.stdout)
+        return set(self.nodes) - gateway_render.out_of_rotation(proc.stdout)
 
     def served_by(self) -> dict[str, list[str]]:
         """Node -> key names it served, from the nodes' own access logs, once every request the

@@ -1,6 +1,7 @@
 """A fleet behind a gateway under Pulumi mocks: waves, drain and enable gates, the gateway's
 files, and what a change drains."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -21,9 +22,10 @@ OWN = {"host": "198.51.100.20", "hostKey": HOST_KEY}
 """A gateway on its own machine."""
 
 
-def rotation(*nodes: str) -> dict:
-    """The gateway's rotation read as rotation.sh prints it on a host with `nodes` in rotation."""
-    return {"stdout": "".join(f"in rotation: {n}\n" for n in nodes)}
+def rotation(*nodes: str, of=NODES) -> dict:
+    """The gateway's rotation read of the stack's nodes `of` as rotation.sh prints it on a host
+    with `nodes` in rotation."""
+    return {"stdout": "".join(f"out of rotation: {n}\n" for n in of if n not in nodes)}
 
 
 @pytest.fixture(autouse=True)
@@ -354,7 +356,7 @@ def test_a_node_the_last_up_did_not_deploy_waits_only_for_the_canary(recorder, d
     return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
 
 
-@pytest.mark.parametrize("stranded", [["n3"], ["n2", "n3"], ["n1", "n2", "n3"]])
+@pytest.mark.parametrize("stranded", [["n3"], ["n2", "n3"], ["n1"]])
 @pulumi.runtime.test
 def test_nodes_a_failed_up_left_drained_roll_first_and_the_serving_ones_wait_for_them(recorder, stranded):
     """n3 failed its check in an `up` that failed: drained, and not enabled again. The next roll
@@ -381,22 +383,71 @@ def test_nodes_a_failed_up_left_drained_roll_first_and_the_serving_ones_wait_for
     return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
 
 
-def test_the_rotation_read_names_each_enabled_node_and_nothing_else(tmp_path):
+def test_the_rotation_read_names_each_node_out_of_rotation_and_nothing_else(tmp_path):
     paths = gateway_render.GatewayPaths(servers=str(tmp_path / "servers"), state_dir=str(tmp_path / "gw"))
-    script = gateway_render.rotation_script(paths)
+    script = gateway_render.rotation_script(paths, ["n1", "n-3", "n4"])
 
     def read() -> set[str]:
         out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, check=True,
                              timeout=30).stdout
-        return gateway_render.in_rotation(out)
+        return gateway_render.out_of_rotation(out)
 
-    assert read() == set()  # no rotation yet: a fleet never deployed
+    assert read() == {"n1", "n-3", "n4"}  # no rotation yet: a fleet never deployed
     Path(paths.enabled_dir).mkdir(parents=True)
-    assert read() == set()
-    for n in ("n1", "n-3"):
+    for n in ("n1", "n-3", "removed"):
         (Path(paths.enabled_dir) / n).touch()
-    assert read() == {"n1", "n-3"}
-    assert gateway_render.in_rotation(None) == set() and gateway_render.in_rotation("x\nin rotation: a\n") == {"a"}
+    (Path(paths.enabled_dir) / "n4").mkdir()  # not a marker: the member servers test for a file
+    assert read() == {"n4"}
+    assert gateway_render.out_of_rotation(None) == set()
+    assert gateway_render.out_of_rotation("x\nout of rotation: a\n") == {"a"}
+    with pytest.raises(ValueError, match="rotation_script.nodes"):
+        gateway_render.rotation_script(paths, ["n1; reboot"])
+
+
+@pytest.mark.parametrize("deployed, live, stranded", [
+    (["n1", "n2", "n3", "n4"], ["n1", "n2"], ["n3"]),  # n4 left the stack after its failed check
+    (["n1", "n2", "n3"], [], []),  # none in rotation (the gateway's host wiped): the canary goes first
+])
+@pulumi.runtime.test
+def test_the_order_reads_only_the_stacks_own_nodes_and_keeps_the_canary_when_none_serves(recorder, deployed, live,
+                                                                                      stranded):
+    """A node removed from the stack after a failed `up` was still in the last export: waiting for
+    its enable failed every gate (KeyError). With no node in rotation, every deployed node rolled
+    at once: availability no worse, but a bad change reached them all."""
+    recorder.mocks.outputs[f"{gateway.GATEWAY}-rotation"] = rotation(*live)
+    f = Fleet("fleet", fleet_shape.args_for(fleet_cfg(rollout={"maxUnavailable": 1})), deployed=deployed)
+
+    def check(gates):
+        if stranded:
+            assert gates[("n3", "drain")] == set() and gates[("n1", "drain")] == {"n3-enable"}
+        else:
+            assert gates[("n2", "drain")] == gates[("n3", "drain")] == {"n1-enable"}
+        regs = {r["name"]: r["inputs"] for r in recorder.registrations}
+        for n in NODES:  # a stranded node's enable runs even if nothing else of it changed
+            assert ("stranded" in regs[f"{n}-enable"]["triggers"]) is (n in stranded), (n, regs[f"{n}-enable"]["triggers"])
+
+    return with_gates(f, f.fleet_sla.id, *[e.id for e in f.enables.values()]).apply(check)
+
+
+@pulumi.runtime.test
+def test_the_rotation_is_read_again_whenever_a_drain_or_enable_may_run(recorder):
+    """A new drain timeout runs every drain and enable with the same rollout trigger. Read
+    before the roll before it, the rotation could call a node stranded that serves, or the reverse."""
+    args = fleet_shape.args_for(fleet_cfg())
+    f = Fleet("fleet", args, deployed=list(NODES))
+    gw, nginx = args.gateway, f.hosts["n1"].nginx_settings
+    longer = dataclasses.replace(gw, drain_timeout_s=gw.drain_timeout_s + 30)
+    trigger = "a rollout trigger"
+    assert gateway.member_key("n2", gw, nginx, trigger) != gateway.member_key("n2", longer, nginx, trigger)
+    assert gateway.member_key("n2", gw, nginx, trigger) != gateway.member_key("n2", gw, nginx, "another")
+
+    def check(_):
+        read = next(r["inputs"] for r in recorder.registrations if r["name"] == f"{gateway.GATEWAY}-rotation")
+        drains = {r["name"]: r["inputs"] for r in recorder.registrations if r["name"].endswith("-drain")}
+        assert read["triggers"] == [f"{n} {gateway.member_key(n, gw, nginx, drains[f'{n}-drain']['triggers'][0])}"
+                                    for n in NODES]
+
+    return pulumi.Output.all(*[e.id for e in f.enables.values()]).apply(check)
 
 
 def test_member_addresses_follow_the_node_names_so_a_removed_node_moves_no_other_key():
