@@ -47,7 +47,7 @@ if cd {UNDO_DIR} 2>/dev/null; then
   done
   cd / && rmdir {UNDO_DIR} 2>/dev/null || true
 fi
-rm -f {ID_FILE} {OWNER_FILE}
+rm -f {ID_FILE}
 rmdir {MARKER_DIR} {STATE_DIR} 2>/dev/null || true  # emptied by the steps' destroys; a step left keeps its record"""
 PROBE = (f"echo \"machine=$(cat /etc/machine-id 2>/dev/null)\"; echo \"id=$(cat {ID_FILE} 2>/dev/null)\"; "
          f"echo \"owner=$(cat {OWNER_FILE} 2>/dev/null)\"")
@@ -58,19 +58,35 @@ def this_stack() -> str:
     return f"{pulumi.get_organization()}/{pulumi.get_project()}/{pulumi.get_stack()}"
 
 
+def _fields(out: str) -> dict:
+    return {k: v.strip() for k, v in (line.split("=", 1) for line in out.splitlines() if "=" in line)}
+
+
 def _probe(client) -> dict:
     """The host's machine id ("unknown" if it has none), fimfleet's host id and owner ("" if none)."""
     _, out, _ = run(client, PROBE)
-    found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    found = _fields(out)
     return {"machine": found.get("machine") or "unknown", "id": found.get("id", ""), "owner": found.get("owner", "")}
 
 
 def _refuse_other_owner(where: str, owner: str, wanted: str) -> None:
-    if owner and wanted and owner != wanted:
-        raise Error(f"{where} is deployed by another stack, {owner} ({OWNER_FILE} there): one host serves one stack, "
-                    "as their kernel tuning, engine units and sites would overwrite each other's. Deploy "
-                    f"{wanted} to another host, or run `pulumi destroy -s {owner.rsplit('/', 1)[-1]}` first; if that "
-                    f"stack is gone for good, remove {OWNER_FILE} on the host and rerun `pulumi up`")
+    if not owner or not wanted or owner == wanted:
+        return
+    why = (f"{where} is deployed by another stack, {owner} ({OWNER_FILE} there): one host serves one stack, as "
+           "their kernel tuning, engine units and sites would overwrite each other's. ")
+    if owner.split("/")[1:] == wanted.split("/")[1:]:  # the same project and stack under another org or backend
+        raise Error(why + f"If {owner} is this stack before a move to another org or backend, write {wanted} into "
+                    f"{OWNER_FILE} on the host and rerun `pulumi up`; else deploy {wanted} to another host")
+    raise Error(why + f"Deploy {wanted} to another host, or run `pulumi destroy -s {owner}` first; if that stack is "
+                f"gone for good (or was this one under another name), remove {OWNER_FILE} on the host and rerun `pulumi up`")
+
+
+def _sweep(owner: str) -> str:
+    """SWEEP, on a host this stack owns (or one owned by none): one that another stack adopted
+    keeps its id, owner and undo files, and the output names that stack."""
+    return (f'owner_now=$(cat {OWNER_FILE} 2>/dev/null || true)\n'
+            f'if [ -n "$owner_now" ] && [ "$owner_now" != {shlex.quote(owner)} ]; then echo "owner=$owner_now"; exit 0; fi\n'
+            f"rm -f {OWNER_FILE}\n" + SWEEP)
 
 
 def _address(conn: dict) -> tuple:
@@ -92,12 +108,20 @@ class HostIdentityProvider(ResourceProvider):
             _refuse_other_owner(t.where, host["owner"], owner)
             found = host["id"]
             identity = found if found and (not keep or found == keep) else uuid.uuid4().hex
-            if identity != found or (owner and host["owner"] != owner):
-                record = f"echo {identity} > {ID_FILE}" + (f" && echo {shlex.quote(owner)} > {OWNER_FILE}" if owner else "")
-                code, _, err = run(client, f"mkdir -p {STATE_DIR} && {record}")
+            record = []
+            if owner and not host["owner"]:
+                # created only if absent (noclobber): of two stacks' first contacts at once, one wins
+                record.append(f"if ! (set -C; echo {shlex.quote(owner)} > {OWNER_FILE}) 2>/dev/null; then "
+                              f'echo "owner=$(cat {OWNER_FILE})"; exit 0; fi')
+            if identity != found:
+                record.append(f"echo {identity} > {ID_FILE}")
+            if record:
+                code, out, err = run(client, "\n".join([f"mkdir -p {STATE_DIR}", *record]))
                 if code:
-                    raise Error(f"cannot record fimfleet's host id in {ID_FILE} on {t.where} ({err.strip()[-300:]}): "
-                                "is its disk full or /var/lib read-only? Fix that, then rerun `pulumi up`")
+                    raise Error(f"cannot record fimfleet's host id and owner in {STATE_DIR} on {t.where} "
+                                f"({err.strip()[-300:]}): is its disk full or /var/lib read-only? Fix that, then "
+                                "rerun `pulumi up`")
+                _refuse_other_owner(t.where, _fields(out).get("owner", ""), owner)
         host_key = pinned or seen[-1]
         bastion_key = pinned_bastion or (seen[0] if t.bastion_host and len(seen) > 1 else "")
         return {**props, "hostKeySeen": host_key, "bastionHostKeySeen": bastion_key, "machineId": host["machine"],
@@ -123,7 +147,10 @@ class HostIdentityProvider(ResourceProvider):
         changed = [k for k in ("connection", "hostKey", "bastionHostKey") if olds.get(k) != news.get(k)]
         if not olds.get("identity"):
             changed.append("identity")  # refresh found the host wiped
-        return DiffResult(changes=bool(changed), replaces=[], delete_before_replace=False,
+        # A host deployed before the owner file: one contact writes it (or finds another stack's),
+        # with the same identity, so no step runs again. A later owner change alone is not contact.
+        claim = news.get("owner") and "owner" not in olds
+        return DiffResult(changes=bool(changed or claim), replaces=[], delete_before_replace=False,
                           stables=[] if changed else ["identity", "hostKeySeen", "machineId"])
 
     @readable_failures
@@ -149,7 +176,13 @@ class HostIdentityProvider(ResourceProvider):
             return
         try:
             with session(SshTarget.from_props(conn)) as client:
-                _, failed, _ = run(client, SWEEP, timeout_s=7200, label="undo of unfinished steps")
+                _, failed, _ = run(client, _sweep(props.get("owner") or ""), timeout_s=7200,
+                                   label="undo of unfinished steps")
+            if failed.startswith("owner="):
+                other = failed.split("=", 1)[1].strip()
+                warn(f"{conn.get('host')} is deployed by another stack now, {other}: its host id, {OWNER_FILE} and "
+                     "the undo of unfinished steps stay for that stack")
+                return
         except Unreachable as e:
             warn(f"{e}; fimfleet's host id stays on it")
             return

@@ -57,27 +57,55 @@ def test_a_host_another_stack_deploys_to_is_refused_before_anything_changes(sshd
     """Two stacks on one host overwrote each other's kernel tuning, engine unit and site (a
     single-node stack's node is `node` in both), and destroying one took the other down."""
     owner_file = sshd.varlib / "fimfleet" / "owner"
-    ident = first_contact(sshd, owner="organization/fimfleet/cpu-epyc-prod")
-    assert owner_file.read_text() == "organization/fimfleet/cpu-epyc-prod\n"
+    prod, staging = "organization/fimfleet/cpu-epyc-prod", "organization/fimfleet/cpu-epyc-staging"
+    ident = first_contact(sshd, owner=prod)
+    assert owner_file.read_text() == prod + "\n"
     with pytest.raises(identity.Error) as err:
-        first_contact(sshd, owner="organization/fimfleet/cpu-epyc-staging")
+        first_contact(sshd, owner=staging)
     msg = str(err.value)
-    assert "is deployed by another stack, organization/fimfleet/cpu-epyc-prod" in msg, msg
-    assert "pulumi destroy -s cpu-epyc-prod" in msg and identity.OWNER_FILE in msg, msg
-    assert owner_file.read_text() == "organization/fimfleet/cpu-epyc-prod\n"
+    assert f"is deployed by another stack, {prod}" in msg and f"pulumi destroy -s {prod}`" in msg, msg
+    assert owner_file.read_text() == prod + "\n"
     assert (sshd.varlib / "fimfleet" / "host-id").read_text().strip() == ident["identity"]
+    # the same stack moved to another org or backend is not told to destroy itself
+    with pytest.raises(identity.Error) as err:
+        first_contact(sshd, owner="acme/fimfleet/cpu-epyc-prod")
+    assert "pulumi destroy" not in str(err.value) and f"write acme/fimfleet/cpu-epyc-prod into" in str(err.value)
     # the same stack again (its state lost) adopts the host
-    assert first_contact(sshd, owner="organization/fimfleet/cpu-epyc-prod")["identity"] == ident["identity"]
-    # a host an older fimfleet deployed has no owner: its stack's next contact writes it
+    assert first_contact(sshd, owner=prod)["identity"] == ident["identity"]
+    # another stack's destroy (it adopted the host before owners were written) keeps the owner
+    identity.HostIdentityProvider().delete("id", {"connection": sshd.connection(ssh_key()), "hostKeySeen": ident["hostKeySeen"],
+                                                  "bastionHostKeySeen": "", "owner": staging})
+    assert owner_file.read_text() == prod + "\n"
+    assert (sshd.varlib / "fimfleet" / "host-id").read_text().strip() == ident["identity"]
+    # a host an older fimfleet deployed has no owner: the first `up` after the upgrade writes it
     owner_file.unlink()
-    olds = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", "owner": "", **ident}
-    news = {**olds, "connection": sshd.connection(ssh_key(), port=sshd.port), "owner": "organization/fimfleet/local"}
-    assert identity.HostIdentityProvider().update("id", olds, {**news, "hostKey": sshd.host_key}).outs["identity"] \
-        == ident["identity"]
-    assert owner_file.read_text() == "organization/fimfleet/local\n"
-    # and the host leaving the stack leaves no owner behind
-    identity.HostIdentityProvider().delete("id", {**news, **ident})
+    olds = {"connection": sshd.connection(ssh_key()), "hostKey": "", "bastionHostKey": "", **ident}
+    olds.pop("owner")
+    news = {**olds, "owner": prod}
+    claim = identity.HostIdentityProvider().diff("id", olds, news)
+    assert claim.changes and "identity" in claim.stables  # no step's connection changes, in preview too
+    assert not identity.HostIdentityProvider().diff("id", {**olds, "owner": prod}, {**news, "owner": staging}).changes
+    assert identity.HostIdentityProvider().update("id", olds, news).outs["identity"] == ident["identity"]
+    assert owner_file.read_text() == prod + "\n"
+    # and the host leaving its stack leaves no owner behind
+    identity.HostIdentityProvider().delete("id", {**news, **ident, "owner": prod})
     assert not (sshd.varlib / "fimfleet").exists()
+
+
+def test_of_two_first_contacts_at_once_one_owns_the_host(sshd):
+    """Both read no owner, both wrote theirs, and both went on: the owner file is created only
+    if absent, and the stack that finds another's there is refused."""
+    ident = first_contact(sshd)  # a host id, no owner yet
+    (sshd.varlib / "fimfleet" / "owner").write_text("organization/fimfleet/other\n")  # written since the probe
+    real_probe = identity._probe
+    identity._probe = lambda client: {**real_probe(client), "owner": ""}
+    try:
+        with pytest.raises(identity.Error, match="is deployed by another stack, organization/fimfleet/other"):
+            first_contact(sshd, owner="organization/fimfleet/local")
+    finally:
+        identity._probe = real_probe
+    assert (sshd.varlib / "fimfleet" / "owner").read_text() == "organization/fimfleet/other\n"
+    assert (sshd.varlib / "fimfleet" / "host-id").read_text().strip() == ident["identity"]
 
 
 def test_a_changed_host_key_is_refused_before_anything_is_sent(sshd, tmp_path):

@@ -48,7 +48,8 @@ class Mocks(pulumi.runtime.Mocks):
 
 
 RECORDER = Recorder(Mocks())
-pulumi.runtime.set_mocks(Mocks(), project="fimfleet", stack="test", preview=False, monitor=RECORDER)
+pulumi.runtime.set_mocks(Mocks(), project="fimfleet", stack="test", preview=False, monitor=RECORDER,
+                         organization="organization")  # as the file backend names it
 
 # The mock monitor never reads where a resource was declared. The SDK walks the Python stack and
 # turns every frame into a file URI on each registration: a quarter of the mocked programs' CPU

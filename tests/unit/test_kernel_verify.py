@@ -225,12 +225,14 @@ def test_destroy_restores_every_recorded_default_and_leaves_no_state(tmp_path):
     knob.write_text("5000000\n")
     state = Path(moved(kernel.STATE_DIR))
     state.mkdir(parents=True, exist_ok=True)
+    empty = tmp_path / "empty"  # a knob whose live value read empty when it was recorded
+    empty.write_text("fimfleet's\n")
     (state / "defaults.conf").write_text(f"vm.swappiness = 60\nnet.ipv4.tcp_rmem = 4096 131072 6291456\n"
-                                         f"sysfs {knob} 500000\nsysfs {absent} 1\n")
+                                         f"sysfs {knob} 500000\nsysfs {absent} 1\nsysfs {empty} \n")
     proc = run_with_fake_tools(tmp_path, moved(r.destroy))
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
     assert [c for c in calls if c.startswith("sysctl")] == [
         "sysctl -q -w vm.swappiness=60", "sysctl -q -w net.ipv4.tcp_rmem=4096 131072 6291456"]
-    assert knob.read_text() == "500000\n" and not absent.exists()
+    assert knob.read_text() == "500000\n" and not absent.exists() and empty.read_text() == "\n"
     assert not state.exists() and not [f["path"] for f in r.files if Path(moved(f["path"])).exists()]
