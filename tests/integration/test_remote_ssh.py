@@ -69,7 +69,7 @@ def test_a_host_another_stack_deploys_to_is_refused_before_anything_changes(sshd
     # the same stack moved to another org or backend is not told to destroy itself
     with pytest.raises(identity.Error) as err:
         first_contact(sshd, owner="acme/fimfleet/cpu-epyc-prod")
-    assert "pulumi destroy" not in str(err.value) and f"write acme/fimfleet/cpu-epyc-prod into" in str(err.value)
+    assert "pulumi destroy" not in str(err.value) and "write acme/fimfleet/cpu-epyc-prod into" in str(err.value)
     # the same stack again (its state lost) adopts the host
     assert first_contact(sshd, owner=prod)["identity"] == ident["identity"]
     # another stack's destroy (it adopted the host before owners were written) keeps the owner
