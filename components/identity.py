@@ -200,8 +200,8 @@ class HostIdentity(Resource):
 
     def __init__(self, name: str, *, connection: pulumi.Input[dict], host_key: str = "", bastion_host_key: str = "",
                  owner: str = "", opts: pulumi.ResourceOptions | None = None):
-        """`owner`: this_stack(), refused on a host that another stack deploys to. A new owner alone
-        changes nothing (no SSH session): it is written at the next contact."""
+        """`owner`: this_stack(), refused on a host that another stack deploys to. A state from before
+        owners claims its host once (diff); a later owner change alone opens no SSH session."""
         opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(additional_secret_outputs=["connection"]))
         super().__init__(HostIdentityProvider(), name, {
             "connection": connection, "hostKey": host_key, "bastionHostKey": bastion_host_key, "owner": owner,
